@@ -1,0 +1,1 @@
+"""Kernel-cache entries shipped with mirage-serve (data only)."""

@@ -1,0 +1,1 @@
+"""Bundled config.json files of popular models (no weights)."""
