@@ -1,0 +1,1 @@
+"""Model adapters, one per architecture family, registered by model_type."""
