@@ -1,0 +1,120 @@
+"""Profile μGraph candidates on a GPU: float-check first, then time with CUDA graphs.
+
+A candidate is a kernel graph and its codegen parameters. It is compiled with
+:func:`mirage_serve.codegen.compile_graph`, run on fresh random inputs and
+compared against the float64 reference of the *spec* (or of itself when no
+spec is given) before it is timed; a candidate that fails the check is
+reported with ``passed=False`` and can never win.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from mirage_serve.mugraph.graph import KernelGraph
+from mirage_serve.reference import TORCH_DTYPES, execute
+from mirage_serve.tune.cost_model import floor_bytes
+from mirage_serve.tune.timing import relative_error, sets_for, time_calls, tolerance_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProfileResult:
+    """One candidate on one device: its float check and, if it passed, its timing."""
+
+    passed: bool
+    rel_error: float
+    tolerance: float
+    median_us: float = math.inf
+    p20_us: float = math.inf
+    p80_us: float = math.inf
+    sets: int = 0
+    compile_s: float = 0.0
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("rel_error", "median_us", "p20_us", "p80_us"):
+            if not math.isfinite(d[k]):
+                d[k] = None
+        return d
+
+
+def make_params(params: Any) -> Any:
+    """A ``CodegenParams`` from a dict (unknown keys dropped with a debug log), or the value unchanged."""
+    if not isinstance(params, dict):
+        return params
+    from dataclasses import fields
+
+    from mirage_serve.codegen import CodegenParams
+
+    known = {f.name for f in fields(CodegenParams)}
+    dropped = set(params) - known
+    if dropped:
+        log.debug("CodegenParams has no field(s) %s; ignored", sorted(dropped))
+    return CodegenParams(**{k: v for k, v in params.items() if k in known})
+
+
+def random_device_inputs(graph: KernelGraph, device: torch.device | str, generator: torch.Generator, scale: float = 1.0) -> list[torch.Tensor]:
+    """Standard-normal inputs in the graph's declared dtypes, drawn on the device."""
+    out = []
+    for t in graph.input_ids:
+        info = graph.info[t]
+        x = torch.randn(info.shape, generator=generator, device=device, dtype=torch.float32) * scale
+        out.append(x.to(TORCH_DTYPES[info.dtype]))
+    return out
+
+
+def check_outputs(outs: list[torch.Tensor], refs: list[torch.Tensor], dtype: torch.dtype) -> tuple[float, float]:
+    """(worst relative error over the outputs, tolerance)."""
+    err = max((relative_error(o, r) for o, r in zip(outs, refs, strict=True)), default=math.inf)
+    return err, tolerance_for(dtype)
+
+
+def profile_candidate(
+    graph: KernelGraph,
+    params: Any = None,
+    *,
+    spec: KernelGraph | None = None,
+    device: torch.device | str = "cuda",
+    seed: int = 0,
+    reps: int = 50,
+    warmup: int = 5,
+    cuda_graph: bool = True,
+) -> ProfileResult:
+    """Compile, float-check against the float64 reference and time one candidate.
+
+    Timing rotates through enough fresh input sets to defeat the L2 (see
+    :func:`mirage_serve.tune.timing.sets_for`) and reports the median per call."""
+    from mirage_serve.codegen import compile_graph
+
+    ref_graph = spec if spec is not None else graph
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out_dtype = TORCH_DTYPES[graph.info[graph.outputs[0]].dtype]
+    try:
+        t0 = time.perf_counter()
+        compiled = compile_graph(graph, make_params(params))
+        inputs = random_device_inputs(graph, device, gen)
+        outs = compiled(*inputs)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+    except Exception as e:  # a candidate that does not compile or launch loses, with the reason kept
+        log.info("candidate failed to compile or run: %s", e)
+        return ProfileResult(False, math.inf, tolerance_for(out_dtype), error=f"{type(e).__name__}: {e}")
+    refs = execute(ref_graph, inputs, dtype=torch.float64)
+    err, tol = check_outputs(list(outs), refs, out_dtype)
+    del refs
+    if not err <= tol:
+        return ProfileResult(False, err, tol, compile_s=compile_s, error=f"float check failed: relative error {err:.3g} > {tol:.3g}")
+    n_sets = sets_for(floor_bytes(graph))
+    arg_sets = [inputs] + [random_device_inputs(graph, device, gen) for _ in range(n_sets - 1)]
+    t = time_calls(compiled, arg_sets, cuda_graph=cuda_graph, warmup=warmup, reps=reps)
+    return ProfileResult(True, err, tol, t.median_us, t.p20_us, t.p80_us, t.sets, compile_s)
