@@ -11,8 +11,8 @@ mis-imported.
 Choices the format leaves open, made here once:
 
 * Grid dims come from ``grid_dim`` {x, y, z} with trailing size-1 dims dropped
-  (at least one dim kept); map entries for grid dims of size 1 become -1, since
-  splitting over one block is no split at all.
+  (at least one dim kept); map entries for grid dims of size 1 become -1 (or
+  are dropped with their dim), since splitting over one block is no split at all.
 * Data-type codes follow the 2024 numbering (920 bfloat16, 921 float16, 930
   float32); a graph spelled with the later ``tb_forloop_accum_*`` names uses
   the later numbering (940 bfloat16, 941 float16, 950 float32).
@@ -69,7 +69,8 @@ def _tensor(t: Any, where: str, codes: dict[int, str]) -> tuple[int, tuple[int, 
     code = _field(t, "data_type", int, where)
     if code not in codes:
         known = ", ".join(f"{c} ({d})" for c, d in sorted(codes.items()))
-        raise _err(where, f"tensor {guid}: data_type code {code} is not supported; known codes: {known}")
+        numbering = "2024" if codes is DTYPE_CODES_2024 else "later (tb_forloop_accum_* spelling)"
+        raise _err(where, f"tensor {guid}: data_type code {code} is not supported; known codes in the {numbering} numbering: {known}")
     return guid, tuple(dims[:n]), codes[code]
 
 
@@ -92,10 +93,10 @@ def _map_of(m: Any, grid: tuple[int, ...], key: str, where: str) -> tuple[int, .
     out = []
     for g, a in enumerate(_GRID_AXES):
         v = _field(m, a, int, f"{where}.{key}")
+        if v < -1:
+            raise _err(where, f"{key}.{a} = {v}; expected a tensor dim or -1")
         if g < len(grid):
-            out.append(v if grid[g] > 1 else -1)
-        elif v != -1:
-            raise _err(where, f"{key}.{a} = {v} maps a grid dim of size 1 that was dropped; expected -1")
+            out.append(v if grid[g] > 1 else -1)  # a grid dim of size 1 splits nothing
     return tuple(out)
 
 
