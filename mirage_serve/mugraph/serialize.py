@@ -176,6 +176,8 @@ def from_json(text: str | bytes) -> KernelGraph:
         obj = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MuGraphError(f"malformed μGraph JSON: {e}") from None
+    except RecursionError:
+        raise MuGraphError(f"malformed μGraph JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     return graph_from_obj(obj)
 
 
