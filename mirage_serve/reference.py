@@ -117,7 +117,14 @@ def apply_op(alg, op: Op, ins: list[Any], rank: int | None = None) -> Any:
     if k == "unary":
         return alg.unary(op.attr("fn"), ins[0], op.attr("scalar"))
     if k == "binary":
-        return alg.binary(op.attr("fn"), ins[0], ins[1])
+        a, b = ins
+        if rank is not None:  # block level: align tile ranks after the 3 grid dims, not across them
+            ra, rb = len(alg.shape(a)), len(alg.shape(b))
+            if ra < rb:
+                a = alg.map(a, lambda t, n=rb - ra: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
+            elif rb < ra:
+                b = alg.map(b, lambda t, n=ra - rb: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
+        return alg.binary(op.attr("fn"), a, b)
     if k == "reduce":
         fn = op.attr("fn")
         f = alg.sum if fn == "sum" else alg.max
