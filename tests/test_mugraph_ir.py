@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from handwritten import fused_gated_mlp, fused_lora, fused_rmsnorm_linear, split_kv_attention
+from hypothesis import HealthCheck, given, settings
+from test_mugraph_json import kernel_graphs
 
 from mirage_serve.mugraph import BlockBuilder, GraphBuilder, KernelGraph, MuGraphError, Op, TensorInfo, from_json, to_json
 from mirage_serve.mugraph.shapes import block_tile_infos
+from mirage_serve.reference import execute, random_inputs
 
 HANDWRITTEN = {
     "fused_rmsnorm_linear": lambda: fused_rmsnorm_linear(4, 64, 48, n_blocks=6, loop=4),
@@ -200,3 +204,12 @@ def test_ops_compare_by_value():
     assert Op.make("unary", (0,), fn="exp", scalar=None).attrs == (("fn", "exp"),)
     assert fused_lora(5, 64, 32, 8, n_blocks=4, loop=2) == fused_lora(5, 64, 32, 8, n_blocks=4, loop=2)
     assert fused_lora(5, 64, 32, 8, n_blocks=4, loop=2) != fused_lora(5, 64, 32, 8, n_blocks=2, loop=2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kernel_graphs())
+def test_shape_rules_agree_with_the_reference_executor(graph):
+    """Every random valid graph runs, and each output has the shape the rules infer."""
+    inputs = random_inputs(graph, torch.Generator().manual_seed(0), dtype=torch.float64)
+    outs = execute(graph, inputs)
+    assert [tuple(o.shape) for o in outs] == [graph.info[t].shape for t in graph.outputs]
