@@ -1,0 +1,523 @@
+"""Kernel microbenchmarks at Llama-3-8B decode shapes: our fused kernels against the stock ones.
+
+For every case (spec x shape) it times, in one run on one GPU, rotating through
+enough input sets to keep weights and KV out of L2:
+
+* ``ours``: every schedule variant from :mod:`variants` compiled by
+  ``mirage_serve.codegen``, each float-checked against the float64 reference
+  first; the fastest passing one is "ours" for the case;
+* stock code: transformers' ``LlamaRMSNorm`` + ``nn.Linear`` (or SDPA and
+  transformers' eager attention, or an ``nn.Linear`` LoRA / gated MLP), eager
+  and under a CUDA graph; ``torch.compile`` (default, and
+  ``max-autotune-no-cudagraphs`` where asked) under a CUDA graph; cuBLAS's
+  linear alone under a CUDA graph;
+* the floor: the spec's bytes (inputs once, outputs once) at the measured copy bandwidth.
+
+Usage: ``python benchmarks/kernels.py --dry-run`` lists the plan (no GPU
+needed); ``python benchmarks/kernels.py --out DIR`` runs it and writes
+``kernels-<tag>.json``, ``.md`` and ``.png`` to DIR. Also ``mirage-serve bench kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import variants as V  # noqa: E402
+
+from mirage_serve.specs import build_spec  # noqa: E402
+from mirage_serve.tune.cost_model import estimate, floor_bytes  # noqa: E402
+
+log = logging.getLogger("benchmarks.kernels")
+
+HIDDEN, QKV_OUT, GATE_UP_OUT, INTER = 4096, 6144, 28672, 14336
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPE = "bfloat16"
+
+# contender name -> the spec families it applies to
+CONTENDERS = {
+    "eager": ("rmsnorm_linear", "lora_linear", "gated_mlp"),
+    "eager_graph": ("rmsnorm_linear", "lora_linear", "gated_mlp"),
+    "compile_graph": ("rmsnorm_linear", "lora_linear", "gated_mlp"),
+    "compile_max_graph": ("rmsnorm_linear", "lora_linear"),
+    "cublas_graph": ("rmsnorm_linear", "lora_linear", "gated_mlp"),
+    "sdpa": ("attention_decode",),
+    "sdpa_graph": ("attention_decode",),
+    "hf_eager_attn_graph": ("attention_decode",),
+}
+
+
+@dataclass
+class Case:
+    spec: str
+    dims: dict[str, int]
+    label: str
+    max_autotune: bool = False  # torch.compile max-autotune-no-cudagraphs is slow to tune: only where asked
+    variants: list[V.Variant] = field(default_factory=list)
+
+    def contenders(self) -> list[str]:
+        return [c for c, specs in CONTENDERS.items() if self.spec in specs and (c != "compile_max_graph" or self.max_autotune)]
+
+
+def all_cases() -> list[Case]:
+    """The shape list: Llama-3-8B decode shapes for each spec."""
+    cases = []
+    for out, name in ((QKV_OUT, "qkv"), (GATE_UP_OUT, "gate_up")):
+        for b in (1, 8, 32):
+            cases.append(Case("rmsnorm_linear", {"batch": b, "hidden": HIDDEN, "out": out}, f"rmsnorm_{name}_b{b}", max_autotune=out == QKV_OUT))
+    for b in (1, 8):
+        for kv in (1024, 8192, 32768):
+            cases.append(Case("attention_decode", {"batch": b, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "kv_len": kv},
+                              f"attn_b{b}_kv{kv // 1024}k"))
+    for b, r in ((1, 16), (8, 16), (1, 64), (8, 64), (32, 64)):
+        cases.append(Case("lora_linear", {"batch": b, "in": HIDDEN, "out": HIDDEN, "rank": r}, f"lora_b{b}_r{r}", max_autotune=r == 16))
+    for b in (1, 8, 32):
+        cases.append(Case("gated_mlp", {"batch": b, "hidden": HIDDEN, "intermediate": INTER}, f"gated_mlp_b{b}"))
+    return cases
+
+
+def plan(specs: list[str] | None = None, labels: list[str] | None = None, wide: bool = False, max_autotune: str = "some") -> list[Case]:
+    """The cases to run, each with its variants generated (CPU only)."""
+    out = []
+    for c in all_cases():
+        if specs and c.spec not in specs:
+            continue
+        if labels and not any(lab in c.label for lab in labels):
+            continue
+        c.max_autotune = {"none": False, "all": c.spec in CONTENDERS["compile_max_graph"], "some": c.max_autotune}[max_autotune]
+        c.variants = V.variants_for(c.spec, c.dims, DTYPE, wide)
+        out.append(c)
+    return out
+
+
+def describe_plan(cases: list[Case]) -> list[dict[str, Any]]:
+    """What a run would time, with the cost model's estimate for each variant (no GPU needed)."""
+    rows = []
+    for c in cases:
+        spec = build_spec(c.spec, c.dims, dtype=DTYPE)
+        rows.append({
+            "label": c.label, "spec": c.spec, "dims": c.dims, "contenders": c.contenders(),
+            "floor_bytes": floor_bytes(spec),
+            "variants": [{"name": v.name, "params": v.params, "schedule": v.schedule,
+                          "model_us": round(estimate(v.graph, v.params).time_s * 1e6, 2)} for v in c.variants],
+        })
+    return rows
+
+
+# ---------------------------------------------------------------- GPU side
+
+
+def _torch_dtype():
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[DTYPE]
+
+
+def _stock_contenders(case: Case, sets: list[list[Any]]):
+    """name -> (fn, arg_sets, reference kind) for the stock implementations, over the same tensors."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    d = case.dims
+    out: dict[str, Any] = {}
+
+    def frozen_linear(w):
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        return lin
+
+    if case.spec == "rmsnorm_linear":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        class NormLinear(nn.Module):
+            def __init__(self, g, w):
+                super().__init__()
+                self.norm = LlamaRMSNorm(g.shape[0], eps=1e-6).to(device=g.device, dtype=g.dtype)
+                self.norm.weight = nn.Parameter(g, requires_grad=False)
+                self.proj = frozen_linear(w)
+
+            def forward(self, x):
+                return self.proj(self.norm(x))
+
+        mods = [NormLinear(s[1], s[2]) for s in sets]
+        xs = [(s[0],) for s in sets]
+        out["eager"] = out["eager_graph"] = ([m.forward for m in mods], xs, "spec")
+        out["compile_graph"] = ([torch.compile(m) for m in mods], xs, "spec")
+        if case.max_autotune:
+            out["compile_max_graph"] = ([torch.compile(m, mode="max-autotune-no-cudagraphs") for m in mods], xs, "spec")
+        out["cublas_graph"] = (F.linear, [(s[0], s[2]) for s in sets], "linear")
+    elif case.spec == "lora_linear":
+        class LoraLinear(nn.Module):
+            def __init__(self, w, a, b, scale=2.0):
+                super().__init__()
+                self.base, self.lora_A, self.lora_B, self.scale = frozen_linear(w), frozen_linear(a), frozen_linear(b), scale
+
+            def forward(self, x):
+                return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+        mods = [LoraLinear(s[1], s[2], s[3]) for s in sets]
+        xs = [(s[0],) for s in sets]
+        out["eager"] = out["eager_graph"] = ([m.forward for m in mods], xs, "spec")
+        out["compile_graph"] = ([torch.compile(m) for m in mods], xs, "spec")
+        if case.max_autotune:
+            out["compile_max_graph"] = ([torch.compile(m, mode="max-autotune-no-cudagraphs") for m in mods], xs, "spec")
+        out["cublas_graph"] = (F.linear, [(s[0], s[1]) for s in sets], "linear")
+    elif case.spec == "gated_mlp":
+        class GateUp(nn.Module):
+            def __init__(self, wg, wu):
+                super().__init__()
+                self.gate_proj, self.up_proj = frozen_linear(wg), frozen_linear(wu)
+
+            def forward(self, x):
+                return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
+        mods = [GateUp(s[1], s[2]) for s in sets]
+        xs = [(s[0],) for s in sets]
+        out["eager"] = out["eager_graph"] = ([m.forward for m in mods], xs, "spec")
+        out["compile_graph"] = ([torch.compile(m) for m in mods], xs, "spec")
+        # cuBLAS alone: one linear over the concatenated gate+up weight, as vLLM stores it
+        out["cublas_graph"] = (F.linear, [(s[0], torch.cat([s[1], s[2]], 0)) for s in sets], "linear")
+    elif case.spec == "attention_decode":
+        from types import SimpleNamespace
+
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        b, L, dh = d["batch"], d["kv_len"], d["head_dim"]
+        views = [(s[0].view(b, d["q_heads"], 1, dh), s[1].view(b, d["kv_heads"], L, dh), s[2].view(b, d["kv_heads"], L, dh)) for s in sets]
+        scale = 1.0 / math.sqrt(dh)
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        out["sdpa"] = out["sdpa_graph"] = (sdpa, views, "attn4d")
+        module = SimpleNamespace(num_key_value_groups=d["q_heads"] // d["kv_heads"], training=False)
+        hf = lambda q, k, v: eager_attention_forward(module, q, k, v, None, scaling=scale, dropout=0.0)[0].transpose(1, 2)
+        out["hf_eager_attn_graph"] = (hf, views, "attn4d")
+    return out
+
+
+def _per_set(fn_or_list, arg_sets):
+    """One callable per argument set (modules compiled per set) or the same callable for all."""
+    if isinstance(fn_or_list, list):
+        fns = fn_or_list
+        return lambda i, *a: fns[i](*a), [(i, *a) for i, a in enumerate(arg_sets)]
+    return lambda i, *a: fn_or_list(*a), [(i, *a) for i, a in enumerate(arg_sets)]
+
+
+def _reference(case: Case, spec, inputs, kind: str):
+    import torch
+
+    from mirage_serve.reference import execute
+
+    if kind == "linear":
+        x, w = inputs[0], (inputs[2] if case.spec == "rmsnorm_linear" else inputs[1])
+        if case.spec == "gated_mlp":
+            w = torch.cat([inputs[1], inputs[2]], 0)
+        return x.double() @ w.double().T
+    ref = execute(spec, inputs, dtype=torch.float64)[0]
+    if kind == "attn4d":
+        d = case.dims
+        return ref.view(d["batch"], d["q_heads"], 1, d["head_dim"])
+    return ref
+
+
+def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any]:
+    import torch
+
+    from mirage_serve.tune.profile import make_params, random_device_inputs
+    from mirage_serve.tune.timing import relative_error, sets_for, time_calls, tolerance_for
+
+    spec = build_spec(case.spec, case.dims, dtype=DTYPE)
+    fb = floor_bytes(spec)
+    n_sets = sets_for(fb, l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    sets = [random_device_inputs(spec, "cuda", gen) for _ in range(n_sets)]
+    tol = tolerance_for(_torch_dtype())
+    res: dict[str, Any] = {"label": case.label, "spec": case.spec, "dims": case.dims, "floor_bytes": fb, "floor_us": fb / copy_bw * 1e6,
+                           "sets": n_sets, "contenders": {}, "variants": []}
+    refs: dict[str, Any] = {}
+
+    def ref(kind):
+        if kind not in refs:
+            refs[kind] = _reference(case, spec, sets[0], kind)
+        return refs[kind]
+
+    with torch.no_grad():
+        for name, (fn, arg_sets, kind) in _stock_contenders(case, sets).items():
+            if time.monotonic() > deadline:
+                res["contenders"][name] = {"skipped": "time budget"}
+                continue
+            entry: dict[str, Any] = {}
+            try:
+                call, calls = _per_set(fn, arg_sets)
+                t0 = time.perf_counter()
+                o = call(*calls[0])
+                torch.cuda.synchronize()
+                entry["first_call_s"] = round(time.perf_counter() - t0, 2)
+                entry["rel_error"] = relative_error(o, ref(kind))
+                entry["passed"] = entry["rel_error"] <= tol
+                t = time_calls(call, calls, cuda_graph=name not in ("eager", "sdpa"), reps=args.reps)
+                entry.update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us)
+            except Exception as e:  # a stock path that fails here (e.g. compile) is recorded, not fatal
+                log.warning("%s %s failed: %s", case.label, name, e)
+                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            res["contenders"][name] = entry
+            log.info("%s %-20s %s", case.label, name, entry.get("median_us"))
+
+        from mirage_serve import codegen
+
+        supports = getattr(codegen, "supports", None)
+        for v in case.variants:
+            entry = {"name": v.name, "params": v.params, "schedule": v.schedule, "model_us": estimate(v.graph, v.params).time_s * 1e6}
+            res["variants"].append(entry)
+            if time.monotonic() > deadline:
+                entry["skipped"] = "time budget"
+                continue
+            if supports is not None:
+                ok = supports(v.graph)
+                ok, why = (ok if isinstance(ok, tuple) else (bool(ok), None))
+                if not ok:
+                    entry["skipped"] = f"codegen does not support it: {why}"
+                    continue
+            try:
+                t0 = time.perf_counter()
+                compiled = codegen.compile_graph(v.graph, make_params(v.params))
+                o = compiled(*sets[0])
+                torch.cuda.synchronize()
+                entry["compile_s"] = round(time.perf_counter() - t0, 2)
+                entry["rel_error"] = relative_error(o[0], ref("spec"))
+                entry["passed"] = entry["rel_error"] <= tol
+                if entry["passed"]:
+                    t = time_calls(compiled, sets, cuda_graph=True, reps=args.reps)
+                    entry.update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us)
+            except Exception as e:  # a variant that fails to compile or run loses, with the reason kept
+                log.warning("%s variant %s failed: %s", case.label, v.name, e)
+                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log.info("%s %-20s %s err=%s", case.label, v.name, entry.get("median_us"), entry.get("rel_error"))
+    passed = [v for v in res["variants"] if v.get("passed") and "median_us" in v]
+    if passed:
+        best = min(passed, key=lambda v: v["median_us"])
+        res["ours"] = {"variant": best["name"], "median_us": best["median_us"], "rel_error": best["rel_error"]}
+    res["targets"] = evaluate_targets(res)
+    sets.clear()  # free the GPU memory before the next case
+    refs.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
+def _t(res: dict[str, Any], name: str) -> float | None:
+    if name == "ours":
+        return res.get("ours", {}).get("median_us")
+    c = res["contenders"].get(name, {})
+    return c.get("median_us") if c.get("passed", True) else None
+
+
+def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The goals set for each spec, each with the measured ratio and whether it was met."""
+    ours = _t(res, "ours")
+    goals: list[tuple[str, str, str, float]] = []  # (text, baseline, relation, bound)
+    s, d = res["spec"], res["dims"]
+    if s == "rmsnorm_linear":
+        goals = [("<= 1.1x cuBLAS linear alone", "cublas_graph", "ours/base<=", 1.1),
+                 (">= 1.4x faster than eager+graph", "eager_graph", "base/ours>=", 1.4),
+                 ("faster than torch.compile", "compile_graph", "base/ours>", 1.0),
+                 ("faster than torch.compile max-autotune", "compile_max_graph", "base/ours>", 1.0)]
+    elif s == "attention_decode":
+        goals = [("at least as fast as SDPA+graph", "sdpa_graph", "base/ours>=", 1.0)]
+        if d["batch"] == 1 and d["kv_len"] <= 8192:
+            goals.append((">= 1.5x faster than SDPA+graph", "sdpa_graph", "base/ours>=", 1.5))
+    elif s == "lora_linear":
+        goals = [(">= 1.8x faster than eager+graph", "eager_graph", "base/ours>=", 1.8),
+                 (">= 1.8x faster than torch.compile", "compile_graph", "base/ours>=", 1.8),
+                 (">= 1.8x faster than torch.compile max-autotune", "compile_max_graph", "base/ours>=", 1.8)]
+    out = []
+    for text, base, rel, bound in goals:
+        b = _t(res, base)
+        if b is None or ours is None:
+            out.append({"goal": text, "met": None, "why": "not measured"})
+            continue
+        ratio = ours / b if rel.startswith("ours") else b / ours
+        met = ratio <= bound if rel.endswith("<=") else (ratio >= bound if rel.endswith(">=") else ratio > bound)
+        out.append({"goal": text, "ratio": round(ratio, 3), "met": bool(met)})
+    return out
+
+
+def environment(copy_bw: float) -> dict[str, Any]:
+    import torch
+    import triton
+
+    try:
+        import transformers
+
+        tv = transformers.__version__
+    except ImportError:
+        tv = None
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": torch.cuda.get_device_name(0), "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size,
+        "torch": torch.__version__, "triton": triton.__version__, "transformers": tv, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M"),
+        "copy_bandwidth_tb_s": round(copy_bw / 1e12, 3), "dtype": DTYPE, "mugraph_source": V.MUGRAPH_SOURCE,
+        "timing": "median per call over CUDA-graph replays (or eager loops for 'eager'/'sdpa'), rotating input sets totalling >= 3x L2",
+    }
+
+
+# ---------------------------------------------------------------- reports
+
+COLUMNS = ["ours", "eager", "eager_graph", "compile_graph", "compile_max_graph", "cublas_graph", "sdpa", "sdpa_graph", "hf_eager_attn_graph"]
+
+
+def _fmt(x: float | None) -> str:
+    return "—" if x is None or not math.isfinite(x) else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# Kernel benchmarks — {env['gpu']}, {env['date_utc']} UTC", "",
+             f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}, CUDA {env['cuda']}; "
+             f"copy bandwidth {env['copy_bandwidth_tb_s']} TB/s; {env['dtype']}. Times in µs ({env['timing']}).", "",
+             f"μGraphs: {env['mugraph_source']}.", ""]
+    for spec in dict.fromkeys(r["spec"] for r in report["cases"]):
+        rows = [r for r in report["cases"] if r["spec"] == spec]
+        cols = [c for c in COLUMNS if any(_t(r, c) is not None for r in rows)]
+        lines += [f"## {spec}", "", "| case | " + " | ".join(cols) + " | floor | best variant | rel. error | goals met |",
+                  "|" + "---|" * (len(cols) + 5)]
+        for r in rows:
+            goals = r.get("targets", [])
+            met = sum(1 for g in goals if g.get("met"))
+            cells = [_fmt(_t(r, c)) for c in cols]
+            ours = r.get("ours", {})
+            lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {_fmt(r['floor_us'])} | {ours.get('variant', '—')} | "
+                         f"{ours.get('rel_error', float('nan')):.1e} | {met}/{len(goals)} |")
+        lines.append("")
+        for r in rows:
+            for g in r.get("targets", []):
+                lines.append(f"- {r['label']}: {g['goal']}: " + ("not measured" if g["met"] is None else f"ratio {g['ratio']} — {'met' if g['met'] else 'NOT met'}"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Bars of µs per contender per case (log scale); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no plot")
+        return False
+    specs = list(dict.fromkeys(r["spec"] for r in report["cases"]))
+    fig, axes = plt.subplots(len(specs), 1, figsize=(14, 4 * len(specs)), squeeze=False)
+    for ax, spec in zip(axes[:, 0], specs):
+        rows = [r for r in report["cases"] if r["spec"] == spec]
+        cols = [c for c in COLUMNS if any(_t(r, c) is not None for r in rows)] + ["floor"]
+        width = 0.8 / len(cols)
+        for j, c in enumerate(cols):
+            ys = [(r["floor_us"] if c == "floor" else _t(r, c)) or 0 for r in rows]
+            ax.bar([i + j * width for i in range(len(rows))], ys, width, label=c)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [r["label"] for r in rows], rotation=20, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs")
+        ax.set_title(spec)
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--specs", nargs="*", help="only these spec families (rmsnorm_linear, attention_decode, lora_linear, gated_mlp)")
+    p.add_argument("--cases", nargs="*", help="only cases whose label contains one of these strings")
+    p.add_argument("--wide", action="store_true", help="sweep many more schedule variants per case")
+    p.add_argument("--max-autotune", choices=("none", "some", "all"), default="some",
+                   help="where to also time torch.compile max-autotune-no-cudagraphs (slow to tune): 'some' = QKV and rank-16 LoRA")
+    p.add_argument("--dry-run", action="store_true", help="list the cases, contenders and variants (with cost-model estimates); no GPU")
+    p.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parent / "results")), help="directory for JSON/markdown/plot")
+    p.add_argument("--tag", default="run", help="file name tag: kernels-<tag>.json")
+    p.add_argument("--reps", type=int, default=50, help="timed CUDA-graph replays per contender")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=520.0, help="stop starting new measurements after this many seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = plan(args.specs, args.cases, args.wide, args.max_autotune)
+    if args.dry_run:
+        rows = describe_plan(cases)
+        for r in rows:
+            print(f"{r['label']:<22} {r['spec']:<17} floor {r['floor_bytes'] / 1e6:8.2f} MB  contenders: {', '.join(r['contenders'])}")
+            for v in r["variants"]:
+                print(f"    {v['name']:<24} model {v['model_us']:8.2f} us   {v['schedule']}")
+        print(f"{len(rows)} cases, {sum(len(r['variants']) for r in rows)} variants, "
+              f"{sum(len(r['contenders']) for r in rows)} stock measurements")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench kernels: no CUDA device; use --dry-run to see the plan", file=sys.stderr)
+        return 2
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 256  # one compiled module per input set must not fall back to eager
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    from mirage_serve.tune.timing import copy_bandwidth
+
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    copy_bw = copy_bandwidth()
+    report = {"environment": environment(copy_bw), "cases": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = out / f"kernels-{args.tag}.json", out / f"kernels-{args.tag}.md"
+    for case in cases:
+        t0 = time.monotonic()
+        res = run_case(case, args, copy_bw, deadline)
+        res["wall_s"] = round(time.monotonic() - t0, 1)
+        report["cases"].append(res)
+        jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
+        print(f"[{time.monotonic() - start:6.1f}s] {case.label}: ours {_fmt(_t(res, 'ours'))} ({res.get('ours', {}).get('variant')}) "
+              + " ".join(f"{c}={_fmt(_t(res, c))}" for c in COLUMNS[1:] if _t(res, c) is not None) + f" floor={_fmt(res['floor_us'])}", flush=True)
+    mpath.write_text(markdown(report))
+    plot(report, out / f"kernels-{args.tag}.png")
+    print(markdown(report))
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    return str(o)
+
+
+def clean_json(o: Any) -> Any:
+    """The report with non-finite floats as null, so the file is strict JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: clean_json(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [clean_json(v) for v in o]
+    return o
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_VERBOSE") else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

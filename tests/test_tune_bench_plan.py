@@ -1,0 +1,112 @@
+"""CPU-side planning of benchmarks/kernels.py: the shape list, the generated variants, targets, reports."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from mirage_serve import cmd_bench
+from mirage_serve.reference import execute, random_inputs
+from mirage_serve.specs import build_spec
+
+K = cmd_bench.load_bench("kernels")
+V = K.V
+
+
+def test_shape_list_covers_the_llama3_8b_decode_cases():
+    cases = {c.label: c for c in K.plan()}
+    for n in (6144, 28672):
+        for b in (1, 8, 32):
+            c = next(c for c in cases.values() if c.spec == "rmsnorm_linear" and c.dims == {"batch": b, "hidden": 4096, "out": n})
+            assert c.variants and "cublas_graph" in c.contenders() and "eager_graph" in c.contenders()
+    att = [c for c in cases.values() if c.spec == "attention_decode"]
+    assert sorted((c.dims["batch"], c.dims["kv_len"]) for c in att) == [(b, kv) for b in (1, 8) for kv in (1024, 8192, 32768)]
+    assert all(c.dims["q_heads"] == 32 and c.dims["kv_heads"] == 8 and c.dims["head_dim"] == 128 and c.variants for c in att)
+    assert {c.dims["rank"] for c in cases.values() if c.spec == "lora_linear"} == {16, 64}
+    assert any(c.spec == "gated_mlp" for c in cases.values())
+    assert "compile_max_graph" in cases["rmsnorm_qkv_b1"].contenders()
+    assert "compile_max_graph" not in K.plan(labels=["rmsnorm_qkv_b1"], max_autotune="none")[0].contenders()
+
+
+def test_batch_1_variants_are_gemv_shaped_and_the_wide_sweep_adds_split_k():
+    narrow = V.variants_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16")
+    for v in narrow:
+        (blk,) = [op.block for op in v.graph.customized_ops]
+        cols, chunk = 6144 // blk.grid[0], 4096 // blk.forloop_range
+        assert 4 <= cols <= 32 and 256 <= chunk <= 1024
+    wide = V.variants_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16", wide=True)
+    assert len(wide) > len(narrow) and any(v.name.startswith("splitk") for v in wide)
+    assert len({v.name for v in wide}) == len(wide)
+    assert any(v.name.startswith("splitk") for v in V.variants_for("rmsnorm_linear", {"batch": 8, "hidden": 4096, "out": 6144}, "bfloat16"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "dims"),
+    [
+        ("rmsnorm_linear", {"batch": 2, "hidden": 1024, "out": 512}),
+        ("lora_linear", {"batch": 2, "in": 4096, "out": 256, "rank": 4}),
+        ("gated_mlp", {"batch": 2, "hidden": 1024, "intermediate": 256}),
+        ("attention_decode", {"batch": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 16, "kv_len": 4096}),
+    ],
+)
+def test_every_generated_variant_computes_its_spec(spec, dims):
+    ref_graph = build_spec(spec, dims)
+    vs = V.variants_for(spec, dims, "float32", wide=True)
+    assert vs
+    ins = random_inputs(ref_graph, torch.Generator().manual_seed(1))
+    want = execute(ref_graph, ins)[0]
+    for v in vs:
+        got = execute(v.graph, ins)[0]
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), v.name
+
+
+def test_dry_run_lists_the_plan_without_a_gpu(capsys):
+    p = argparse.ArgumentParser()
+    K.add_arguments(p)
+    assert K.run(p.parse_args(["--dry-run", "--specs", "lora_linear", "attention_decode"])) == 0
+    out = capsys.readouterr().out
+    assert "lora_b1_r16" in out and "attn_b8_kv32k" in out and "rmsnorm" not in out
+    assert "2kernel c16 k512" in out and "splitkv" in out and "model" in out
+    assert "11 cases" in out
+    rows = K.describe_plan(K.plan(specs=["rmsnorm_linear"], labels=["qkv_b1"]))
+    assert rows[0]["floor_bytes"] == 2 * (4096 + 4096 + 6144 * 4096 + 6144)
+    assert all(v["model_us"] > 0 for v in rows[0]["variants"])
+
+
+def _fake_result(spec, dims, ours, **stock):
+    return {"spec": spec, "dims": dims, "label": "x", "floor_us": 10.0,
+            "ours": {"variant": "v", "median_us": ours, "rel_error": 1e-3},
+            "contenders": {k: {"median_us": t, "passed": True} for k, t in stock.items()}}
+
+
+def test_targets_are_evaluated_from_measured_ratios():
+    r = _fake_result("rmsnorm_linear", {"batch": 1}, 12.0, cublas_graph=11.5, eager_graph=30.0, compile_graph=11.9)
+    goals = {g["goal"]: g for g in K.evaluate_targets(r)}
+    assert goals["<= 1.1x cuBLAS linear alone"] == {"goal": "<= 1.1x cuBLAS linear alone", "ratio": round(12 / 11.5, 3), "met": True}
+    assert goals[">= 1.4x faster than eager+graph"]["met"] is True
+    assert goals["faster than torch.compile"]["met"] is False
+    assert goals["faster than torch.compile max-autotune"]["met"] is None
+    a = _fake_result("attention_decode", {"batch": 1, "kv_len": 8192}, 10.0, sdpa_graph=14.0)
+    assert [g["met"] for g in K.evaluate_targets(a)] == [True, False]
+    a8 = _fake_result("attention_decode", {"batch": 8, "kv_len": 8192}, 10.0, sdpa_graph=14.0)
+    assert len(K.evaluate_targets(a8)) == 1
+
+
+def test_markdown_report_and_strict_json():
+    r = _fake_result("lora_linear", {"batch": 1}, 10.0, eager_graph=22.0, compile_graph=float("inf"))
+    r["targets"] = K.evaluate_targets(r)
+    env = {"gpu": "G", "date_utc": "d", "torch": "t", "triton": "tr", "transformers": "hf", "cuda": "c",
+           "copy_bandwidth_tb_s": 4.2, "dtype": "bfloat16", "timing": "median", "mugraph_source": V.MUGRAPH_SOURCE}
+    md = K.markdown({"environment": env, "cases": [r]})
+    assert "## lora_linear" in md and "| x | 10.0 | 22.0 |" in md and "NOT met" not in md.split(">= 1.8x faster than eager+graph")[1].splitlines()[0]
+    assert K.clean_json({"a": [float("nan"), 1.0]}) == {"a": [None, 1.0]}
+
+
+def test_bench_command_has_room_for_more_benchmarks():
+    p = argparse.ArgumentParser()
+    cmd_bench.add_arguments(p)
+    args = p.parse_args(["kernels", "--dry-run", "--cases", "gated_mlp_b1"])
+    assert cmd_bench.run(args) == 0
+    assert set(cmd_bench.BENCHES) >= {"kernels", "e2e"}
