@@ -239,7 +239,7 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
 
     spec = build_spec(case.spec, case.dims, dtype=DTYPE)
     fb = floor_bytes(spec)
-    n_sets = sets_for(fb, l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
+    n_sets = sets_for(fb, l2_bytes=getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2**20))
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     sets = [random_device_inputs(spec, "cuda", gen) for _ in range(n_sets)]
     tol = tolerance_for(_torch_dtype())
@@ -254,6 +254,8 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
 
     with torch.no_grad():
         for name, (fn, arg_sets, kind) in _stock_contenders(case, sets).items():
+            if args.contenders is not None and name not in args.contenders:
+                continue
             if time.monotonic() > deadline:
                 res["contenders"][name] = {"skipped": "time budget"}
                 continue
@@ -277,7 +279,7 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
         from mirage_serve import codegen
 
         supports = getattr(codegen, "supports", None)
-        for v in case.variants:
+        for v in [] if args.no_variants else case.variants:
             entry = {"name": v.name, "params": v.params, "schedule": v.schedule, "model_us": estimate(v.graph, v.params).time_s * 1e6}
             res["variants"].append(entry)
             if time.monotonic() > deadline:
@@ -364,7 +366,7 @@ def environment(copy_bw: float) -> dict[str, Any]:
         tv = None
     p = torch.cuda.get_device_properties(0)
     return {
-        "gpu": torch.cuda.get_device_name(0), "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size,
+        "gpu": torch.cuda.get_device_name(0), "sms": p.multi_processor_count, "l2_bytes": getattr(p, "L2_cache_size", None),
         "torch": torch.__version__, "triton": triton.__version__, "transformers": tv, "cuda": torch.version.cuda,
         "python": platform.python_version(), "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M"),
         "copy_bandwidth_tb_s": round(copy_bw / 1e12, 3), "dtype": DTYPE, "mugraph_source": V.MUGRAPH_SOURCE,
@@ -445,6 +447,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wide", action="store_true", help="sweep many more schedule variants per case")
     p.add_argument("--max-autotune", choices=("none", "some", "all"), default="some",
                    help="where to also time torch.compile max-autotune-no-cudagraphs (slow to tune): 'some' = QKV and rank-16 LoRA")
+    p.add_argument("--contenders", nargs="*", help="only these stock contenders (default: all that apply)")
+    p.add_argument("--no-variants", action="store_true", help="time the stock contenders only")
     p.add_argument("--dry-run", action="store_true", help="list the cases, contenders and variants (with cost-model estimates); no GPU")
     p.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parent / "results")), help="directory for JSON/markdown/plot")
     p.add_argument("--tag", default="run", help="file name tag: kernels-<tag>.json")
