@@ -1,0 +1,495 @@
+"""``mirage-serve build-cache [MODEL_ID]``: fill the kernel cache for one model.
+
+Resolves the model's config offline (:mod:`mirage_serve.model_ids`; no argument builds
+:data:`~mirage_serve.model_ids.DEFAULT_MODEL_ID`), lists its fusable subgraphs per batch
+bucket with the model's adapter, merges identical ones (same spec, dims, dtype and spec
+options) and then, for each: cache lookup (skipped when present unless ``--rebuild``) ->
+search (which returns verified candidates; the certificate is recorded, and a candidate
+without one is verified here) -> codegen support check -> ranking (GPU profile when torch
+sees a GPU, else the analytical cost model, recorded as ``unprofiled``) -> cache entry.
+
+Each entry is written as soon as it is built, so an interrupted build resumes where it
+stopped. Decode attention uses the kv_len buckets of :mod:`mirage_serve.models.base`
+(1024, 4096, 16384, each capped at the model's context or sliding window). Certificates are
+never reused across shapes: every bucket is searched and verified at its own dims.
+
+A pipeline step whose package is missing from this build fails that subgraph with a message
+naming the missing piece; nothing is written for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mirage_serve.model_ids import DEFAULT_MODEL_ID, ModelNotFoundError, bundled_model_ids, resolve_config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
+DEFAULT_TIME_BUDGET_S = 60.0
+
+
+class StepError(Exception):
+    """One pipeline step failed for one subgraph; ``step`` names it (lookup, search, verify, codegen, tune, write)."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+# ---------------------------------------------------------------------------------------------
+# the work list
+
+
+@dataclass
+class WorkItem:
+    """One distinct kernel to build: a representative subgraph and every role/site it serves."""
+
+    subgraph: Any  # mirage_serve.models.Subgraph
+    roles: list[str] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return "+".join(dict.fromkeys(self.roles))
+
+    @property
+    def bucket(self) -> str:
+        d = self.subgraph.dims
+        return f"b={d['batch']}" + (f" kv={d['kv_len']}" if "kv_len" in d else "")
+
+    def describe(self) -> str:
+        return self.subgraph.describe()
+
+
+def dedupe(subgraphs: list[Any]) -> list[WorkItem]:
+    """Merge subgraphs that are the same kernel (same spec, dims, dtype and options), keeping first-seen order."""
+    items: dict[tuple, WorkItem] = {}
+    for sg in subgraphs:
+        item = items.setdefault(sg.signature(), WorkItem(sg))
+        item.roles.append(sg.role)
+        item.sites.extend(sg.sites)
+    return list(items.values())
+
+
+@dataclass
+class ItemResult:
+    """What happened to one work item."""
+
+    item: WorkItem
+    status: str  # planned | cached | built | failed
+    verified: bool | None = None
+    speedup: float | None = None  # baseline (unfused spec) time / chosen candidate time, same ranking method
+    profiled: bool | None = None
+    seconds: float = 0.0
+    step: str | None = None  # the failing step
+    message: str = ""
+    entry_id: str | None = None
+    candidates: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup_text(self) -> str:
+        if self.status in ("planned", "failed") or self.speedup is None:
+            return "-"
+        if not self.profiled:
+            return "unprofiled"
+        return f"{self.speedup:.2f}x"
+
+    def to_dict(self) -> dict[str, Any]:
+        sg = self.item.subgraph
+        return {
+            "subgraph": self.item.name,
+            "spec": sg.spec_name,
+            "dims": dict(sg.dims),
+            "dtype": sg.dtype,
+            "options": dict(sg.options),
+            "bucket": self.item.bucket,
+            "roles": list(dict.fromkeys(self.item.roles)),
+            "sites": len(self.item.sites),
+            "unfused": list(sg.unfused),
+            "status": self.status,
+            "verified": self.verified,
+            "profiled": self.profiled,
+            # measured on a GPU, or the cost model's estimate when "profiled" is false
+            "speedup": self.speedup if self.speedup is not None and math.isfinite(self.speedup) else None,
+            "seconds": round(self.seconds, 3),
+            "failed_step": self.step,
+            "message": self.message,
+            "entry_id": self.entry_id,
+            "candidates": self.candidates,
+            **({"details": self.details} if self.details else {}),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# the other packages, resolved lazily so a missing one fails its step, not the command
+
+
+def _require(step: str, module: str, *names: str) -> list[Any]:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise StepError(step, f"{step}: {module} cannot be imported in this build ({e})") from e
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise StepError(step, f"{step}: {module} does not provide {', '.join(missing)} yet (see docs/CONTRACTS.md); "
+                              f"this step cannot run in this build")
+    return [getattr(mod, n) for n in names]
+
+
+def open_cache(cache_dir: str | None) -> Any:
+    """``KernelCache(cache_dir)``, or the default cache (MIRAGE_SERVE_CACHE or the platform cache dir)."""
+    (kernel_cache,) = _require("lookup", "mirage_serve.cache", "KernelCache")
+    if cache_dir is not None:
+        return kernel_cache(cache_dir)
+    default = getattr(kernel_cache, "default", None)
+    return default() if callable(default) else kernel_cache()
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+
+
+def make_key(subgraph: Any, gpu_arch: str) -> Any:
+    """The cache key of a subgraph on this machine."""
+    (cache_key,) = _require("lookup", "mirage_serve.cache", "CacheKey")
+    return cache_key(spec=subgraph.spec_name, dims=dict(subgraph.dims), dtype=subgraph.dtype,
+                     gpu_arch=gpu_arch, options=dict(subgraph.options))
+
+
+def current_arch() -> str:
+    """``smXY`` of the GPU torch sees, else ``unprofiled`` (cost-model entries)."""
+    try:
+        from mirage_serve.cache.keys import current_gpu_arch
+    except ImportError as e:
+        raise StepError("lookup", f"lookup: mirage_serve.cache.keys cannot be imported ({e})") from e
+    return current_gpu_arch()
+
+
+def _entry_key(entry: Any) -> Any:
+    return getattr(entry, "key", None)
+
+
+def _entry_verified(entry: Any) -> bool | None:
+    cert = getattr(entry, "certificate", None)
+    if cert is None:
+        return None
+    verdict = cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
+    return verdict == "equivalent"
+
+
+def _entry_id(entry: Any, key: Any) -> str | None:
+    k = _entry_key(entry) or key
+    return getattr(k, "entry_id", None)
+
+
+def lookup(cache: Any, key: Any, arch: str) -> Any:
+    """The cached entry for ``key`` usable as-is by this build, or None.
+
+    On a GPU, an entry that was only ranked by the cost model (``unprofiled``) is found by the
+    cache's fallback but is rebuilt here so that it gets profiled.
+    """
+    try:
+        entry = cache.lookup(key)
+    except Exception as e:  # a corrupt or foreign entry must not stop the build
+        raise StepError("lookup", f"lookup: {type(e).__name__}: {e}") from e
+    if entry is None:
+        return None
+    found = _entry_key(entry)
+    if arch != "unprofiled" and getattr(found, "gpu_arch", arch) != arch:
+        log.info("%s: cached entry is %s; rebuilding to profile on %s", key.describe(), found.gpu_arch, arch)
+        return None
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# one item through the pipeline
+
+
+@dataclass
+class BuildOptions:
+    time_budget_s: float
+    jobs: int
+    rebuild: bool
+    trials: int = 3
+    seed: int = 0
+    max_candidates: int = 8  # best candidates (by the search's own cost) carried into ranking
+
+
+def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
+    """The candidate's certificate from the search, or a fresh one from the verifier when it has none."""
+    cert = getattr(candidate, "certificate", None)
+    if cert is None:
+        (verify_equivalent,) = _require("verify", "mirage_serve.verify", "verify_equivalent")
+        cert = verify_equivalent(candidate.graph, spec, trials=opts.trials, seed=opts.seed)
+    return cert
+
+
+def _verdict(cert: Any) -> str | None:
+    return cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
+
+
+def _cert_dict(cert: Any) -> dict[str, Any]:
+    return dict(cert) if isinstance(cert, dict) else cert.to_dict()
+
+
+def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any, search_stats: Any, item: WorkItem) -> Any:
+    (cache_entry,) = _require("write", "mirage_serve.cache", "CacheEntry")
+    timings = {
+        "time_us": ranked.time_us if math.isfinite(ranked.time_us) else None,
+        "baseline_us": baseline.time_us if baseline is not None and math.isfinite(baseline.time_us) else None,
+        "profiled": ranked.profiled,
+        "method": "gpu-profile" if ranked.profiled else "cost-model",
+        "details": ranked.details,
+    }
+    params = ranked.params
+    if params is not None and not isinstance(params, dict):
+        params = dict(vars(params)) if hasattr(params, "__dict__") else None
+    build = {"roles": list(dict.fromkeys(item.roles)), "search": _plain(search_stats)}
+    from_parts = getattr(cache_entry, "from_parts", None)
+    if callable(from_parts):
+        return from_parts(key=key, graph=ranked.graph, params=params, certificate=_cert_dict(cert), timings=timings, build=build)
+    return cache_entry(key=key, graph=ranked.graph, params=params, certificate=_cert_dict(cert), timings=timings)
+
+
+def _plain(obj: Any) -> Any:
+    """Search stats as JSON-safe data."""
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj if not isinstance(obj, float) or math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "to_dict"):
+        return _plain(obj.to_dict())
+    if hasattr(obj, "__dict__"):
+        return _plain(vars(obj))
+    return repr(obj)
+
+
+def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> ItemResult:
+    """Run one work item through lookup -> search -> verify -> codegen -> tune -> write."""
+    t0 = time.perf_counter()
+    sg = item.subgraph
+    try:
+        key = make_key(sg, arch)
+        if not opts.rebuild:
+            entry = lookup(cache, key, arch)
+            if entry is not None:
+                found = _entry_key(entry)
+                timings = getattr(entry, "timings", None) or {}
+                prof = timings.get("profiled") if isinstance(timings, dict) else None
+                base, best = (timings.get("baseline_us"), timings.get("time_us")) if isinstance(timings, dict) else (None, None)
+                return ItemResult(item, "cached", verified=_entry_verified(entry), profiled=prof if prof is not None else getattr(found, "gpu_arch", "") != "unprofiled",
+                                  speedup=(base / best) if base and best else None, seconds=time.perf_counter() - t0,
+                                  entry_id=_entry_id(entry, key))
+        spec = sg.build_spec()
+
+        # search (its candidates come verified; the certificate is checked and recorded)
+        superoptimize, search_config = _require("search", "mirage_serve.search", "superoptimize", "SearchConfig")
+        config = search_config(time_budget_s=opts.time_budget_s, jobs=opts.jobs, trials=opts.trials, seed=opts.seed, progress=False)
+        result = superoptimize(spec, config)
+        candidates = list(result.candidates)[: opts.max_candidates]
+        if not candidates:
+            raise StepError("search", f"search found no verified candidate within {opts.time_budget_s:g}s "
+                                      f"(stats: {_plain(getattr(result, 'stats', None))}); try a larger --time-budget")
+
+        # verify: keep only candidates whose certificate says equivalent at exactly these dims
+        certified = []
+        for c in candidates:
+            cert = _certificate_of(c, spec, opts)
+            if _verdict(cert) == "equivalent":
+                certified.append((c, cert))
+            else:
+                log.warning("%s: dropping a candidate whose certificate says %r", sg.describe(), _verdict(cert))
+        if not certified:
+            raise StepError("verify", f"none of the {len(candidates)} candidates has an 'equivalent' certificate")
+
+        # codegen: only μGraphs the Triton generator can compile are worth caching
+        (supports,) = _require("codegen", "mirage_serve.codegen", "supports")
+        compilable = [(c, cert) for c, cert in certified if supports(c.graph)]
+        if not compilable:
+            raise StepError("codegen", f"codegen supports none of the {len(certified)} verified candidates")
+
+        # tune: GPU profile when available, else the analytical cost model (unprofiled)
+        (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")
+        device = "cuda" if arch != "unprofiled" else "cpu"
+        ranked = rank_candidates([c.graph for c, _ in compilable], device=device, spec=spec)
+        ranked = [r for r in ranked if r.passed and math.isfinite(r.time_us)]
+        if not ranked:
+            raise StepError("tune", "every candidate failed its float check while profiling")
+        best = ranked[0]
+        cert = next(cert for c, cert in compilable if c.graph is best.graph)
+        baseline = rank_candidates([spec], device=device, spec=spec)[0]
+        speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
+
+        # write
+        entry = _make_entry(key, best, cert, baseline, getattr(result, "stats", None), item)
+        try:
+            cache.put(entry)
+        except Exception as e:
+            raise StepError("write", f"write: {type(e).__name__}: {e}") from e
+        return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
+                          seconds=time.perf_counter() - t0, entry_id=_entry_id(entry, key), candidates=len(compilable),
+                          details={"search": _plain(getattr(result, "stats", None))})
+    except StepError as e:
+        return ItemResult(item, "failed", step=e.step, message=str(e), seconds=time.perf_counter() - t0)
+    except Exception as e:  # one subgraph's bug must not lose the others' entries
+        log.exception("%s failed", sg.describe())
+        return ItemResult(item, "failed", step="internal", message=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_id", nargs="?", default=DEFAULT_MODEL_ID,
+                        help=f"a directory with config.json, a Hugging Face id in the local HF cache, or a bundled id "
+                             f"(default: {DEFAULT_MODEL_ID}; bundled: {', '.join(bundled_model_ids())})")
+    parser.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help=f"decode batch buckets (default {DEFAULT_BATCH_SIZES})")
+    parser.add_argument("--kv-lens", default=None, help="decode-attention kv_len buckets (default 1024,4096,16384, capped at the model's context)")
+    parser.add_argument("--cache-dir", default=None, help="kernel cache directory (default: $MIRAGE_SERVE_CACHE or the platform cache dir)")
+    parser.add_argument("--dry-run", action="store_true", help="list the subgraphs and buckets that would be built, build nothing")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild entries that are already cached")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes of the search for each subgraph (default 2)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree: heads and intermediate are divided by it")
+    parser.add_argument("--lora-config", default=None, help="peft adapter_config.json (or its directory): adds lora_linear per target module")
+    parser.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, help=f"search seconds per subgraph (default {DEFAULT_TIME_BUDGET_S:g})")
+    parser.add_argument("--dtype", default=None, help="override the config's torch_dtype (bfloat16, float16, float32)")
+    parser.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _verified_text(v: bool | None) -> str:
+    return {True: "yes", False: "NO", None: "-"}[v]
+
+
+def format_results(results: list[ItemResult]) -> str:
+    rows = [[r.item.name, r.item.describe(), r.item.bucket, r.status + (f" ({r.step})" if r.step else ""),
+             _verified_text(r.verified), r.speedup_text, "-" if r.status == "planned" else f"{r.seconds:.1f}s"] for r in results]
+    text = _table(rows, ["subgraph", "kernel", "bucket", "status", "verified", "speed-up", "time"])
+    failures = [r for r in results if r.status == "failed"]
+    if failures:
+        text += "\n\nfailures:\n" + "\n".join(f"  {r.item.describe()}: {r.message}" for r in failures)
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from mirage_serve.models import AdapterError, adapter_for_config
+    from mirage_serve.models.base import DEFAULT_KV_LEN_BUCKETS, parse_sizes
+
+    t_start = time.perf_counter()
+    try:
+        config, source = resolve_config(args.model_id)
+        batch_sizes = parse_sizes(args.batch_sizes)
+        kv_lens = parse_sizes(args.kv_lens) if args.kv_lens else list(DEFAULT_KV_LEN_BUCKETS)
+        adapter = adapter_for_config(config)
+        plan = adapter.plan(config, batch_sizes, tensor_parallel=args.tensor_parallel, lora=args.lora_config,
+                            kv_lens=kv_lens, dtype=args.dtype)
+    except (ModelNotFoundError, AdapterError, ValueError) as e:
+        print(f"mirage-serve build-cache: {e}", file=sys.stderr)
+        return 2
+    if args.jobs < 1 or args.time_budget <= 0:
+        print("mirage-serve build-cache: --jobs must be >= 1 and --time-budget > 0", file=sys.stderr)
+        return 2
+    items = dedupe(plan.subgraphs)
+    log.info("%s (%s, from %s): %d subgraphs, %d distinct kernels", args.model_id, plan.model_type, source, len(plan.subgraphs), len(items))
+    header = {
+        "model_id": args.model_id,
+        "config_source": source,
+        "model_type": plan.model_type,
+        "dtype": plan.arch.dtype,
+        "tensor_parallel": args.tensor_parallel,
+        "batch_sizes": batch_sizes,
+        "kv_len_buckets": plan.kv_len_buckets,
+        "subgraphs": len(plan.subgraphs),
+        "distinct_kernels": len(items),
+        "excluded": [{"role": e.role, "reason": e.reason} for e in plan.excluded],
+        "notes": plan.notes,
+    }
+
+    cache = None
+    cache_error = None
+    try:
+        cache = open_cache(args.cache_dir)
+        arch = current_arch()
+        header["cache_dir"] = str(getattr(cache, "path", None) or getattr(cache, "root", None) or args.cache_dir)
+        header["gpu_arch"] = arch
+    except StepError as e:
+        cache_error = str(e)
+        arch = "unprofiled"
+
+    results: list[ItemResult] = []
+    if args.dry_run:
+        for item in items:
+            r = ItemResult(item, "planned", message="would build")
+            if cache is not None:
+                try:
+                    if not args.rebuild and lookup(cache, make_key(item.subgraph, arch), arch) is not None:
+                        r = ItemResult(item, "cached", message="already in the cache")
+                except StepError as e:
+                    r.message = str(e)
+            else:
+                r.message = f"cache not checked ({cache_error})"
+            results.append(r)
+    else:
+        opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild)
+        from tqdm import tqdm
+
+        bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
+        try:
+            for item in bar:
+                bar.set_postfix_str(item.describe()[:60])
+                if cache is None:
+                    results.append(ItemResult(item, "failed", step="lookup", message=cache_error or "no cache"))
+                    continue
+                r = build_item(item, cache, arch, opts)
+                results.append(r)
+                log.info("%s %s: %s in %.1fs%s", item.describe(), item.bucket, r.status, r.seconds, f" ({r.message})" if r.message else "")
+        except KeyboardInterrupt:
+            log.warning("interrupted: entries built so far are in the cache; run the same command again to resume")
+        finally:
+            bar.close()
+
+    total = time.perf_counter() - t_start
+    counts = {s: sum(r.status == s for r in results) for s in ("planned", "cached", "built", "failed")}
+    if args.json:
+        print(json.dumps({**header, "dry_run": bool(args.dry_run), "wall_s": round(total, 3), "counts": counts,
+                          "results": [r.to_dict() for r in results]}, indent=2))
+    else:
+        print(f"{args.model_id}: {plan.model_type}, {plan.arch.dtype}, config from {source}")
+        print(f"{len(plan.subgraphs)} subgraphs -> {len(items)} distinct kernels; batch buckets {batch_sizes}; kv_len buckets {plan.kv_len_buckets}"
+              + (f"; tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""))
+        for e in plan.excluded:
+            print(f"excluded {e.role}: {e.reason}")
+        for n in plan.notes:
+            print(f"note: {n}")
+        if cache_error:
+            print(f"cache: {cache_error}")
+        print()
+        print(format_results(results))
+        print()
+        print(", ".join(f"{v} {k}" for k, v in counts.items() if v) + f" in {total:.1f}s")
+    if args.dry_run:
+        return 0
+    return 0 if counts["failed"] == 0 and len(results) == len(items) else 1

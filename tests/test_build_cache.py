@@ -1,0 +1,104 @@
+"""``mirage-serve build-cache``: planning, dry runs, argument errors, and honest failures of missing steps."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mirage_serve.models import get_adapter  # noqa: E402
+from mirage_serve.models.base import Subgraph  # noqa: E402
+
+from mirage_serve import cmd_build_cache  # noqa: E402
+from mirage_serve.cli import main  # noqa: E402
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main(["build-cache", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_dry_run_lists_every_subgraph_and_bucket(capsys, tmp_path):
+    rc, report = run_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--dry-run", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and report["dry_run"]
+    assert report["config_source"] == "bundled:meta-llama/Llama-3.1-8B-Instruct"
+    assert report["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64] and report["kv_len_buckets"] == [1024, 4096, 16384]
+    # 5 projection/MLP kernels + 3 attention buckets per batch bucket
+    assert report["distinct_kernels"] == 7 * 8 == len(report["results"])
+    assert {r["status"] for r in report["results"]} <= {"planned", "cached"}
+    assert report["counts"]["built"] == 0
+    qkv = next(r for r in report["results"] if r["subgraph"] == "attn_norm_qkv" and r["dims"]["batch"] == 8)
+    assert qkv["dims"] == {"batch": 8, "hidden": 4096, "out": (32 + 2 * 8) * 128}
+    assert qkv["dtype"] == "bfloat16" and qkv["options"] == {"eps": 1e-05} and qkv["sites"] == 32 * 4
+    att = [r for r in report["results"] if r["spec"] == "attention_decode" and r["dims"]["batch"] == 64]
+    assert sorted(r["dims"]["kv_len"] for r in att) == [1024, 4096, 16384]
+    assert not list(tmp_path.rglob("*.json"))  # nothing written
+
+
+def test_dry_run_default_model_table(capsys):
+    rc = main(["build-cache", "--dry-run", "--batch-sizes", "1,8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("meta-llama/Llama-3.2-1B-Instruct: llama, bfloat16")
+    for col in ("subgraph", "bucket", "status", "verified", "speed-up", "time"):
+        assert col in out
+    assert "rmsnorm_linear(batch=8,hidden=2048,out=3072)" in out
+    assert "attention_decode(batch=1,q_heads=32,kv_heads=8,head_dim=64,kv_len=16384)" in out
+
+
+def test_dry_run_options(capsys, tmp_path):
+    lora = tmp_path / "adapter_config.json"
+    lora.write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}))
+    rc, report = run_json(capsys, "Qwen/Qwen3-8B", "--dry-run", "--batch-sizes", "4", "--tensor-parallel", "2",
+                          "--lora-config", str(lora), "--kv-lens", "2048", "--dtype", "float16")
+    assert rc == 0 and report["tensor_parallel"] == 2 and report["kv_len_buckets"] == [2048]
+    by_sub = {r["subgraph"]: r for r in report["results"]}
+    assert by_sub["attention_decode"]["dims"] == {"batch": 4, "q_heads": 16, "kv_heads": 4, "head_dim": 128, "kv_len": 2048}
+    assert by_sub["lora:q_proj"]["dims"] == {"batch": 4, "in": 4096, "out": 2048, "rank": 16}
+    assert by_sub["lora:v_proj"]["dims"] == {"batch": 4, "in": 4096, "out": 512, "rank": 16}
+    assert by_sub["lora:q_proj"]["options"] == {"scale": 2.0}
+    assert {r["dtype"] for r in report["results"]} == {"float16"}
+    assert any("q_norm" in u for u in by_sub["attn_norm_qkv"]["unfused"])
+
+
+def test_identical_subgraphs_are_built_once():
+    sg = get_adapter("llama").subgraphs({"model_type": "llama", "hidden_size": 64, "intermediate_size": 32,
+                                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                         "max_position_embeddings": 128}, [1])
+    # q+k+v out = 3*64 = 192 and gate+up out = 2*32 = 64 differ, so force a collision with a copy
+    twin = Subgraph(sg[0].spec_name, dict(sg[0].dims), "other_role", ["x.y"], sg[0].dtype, dict(sg[0].options))
+    items = cmd_build_cache.dedupe([*sg, twin])
+    assert len(items) == len(sg)
+    assert items[0].roles == [sg[0].role, "other_role"] and items[0].sites[-1] == "x.y"
+    differing_eps = Subgraph(sg[0].spec_name, dict(sg[0].dims), "r", [], sg[0].dtype, {"eps": 1e-3})
+    assert len(cmd_build_cache.dedupe([sg[0], differing_eps])) == 2
+
+
+def test_argument_errors(capsys):
+    assert main(["build-cache", "nobody/nothing", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "not found offline" in err and "models--nobody--nothing" in err
+    assert main(["build-cache", "meta-llama/Llama-3.1-8B-Instruct", "--dry-run", "--tensor-parallel", "3"]) == 2
+    assert "tensor_parallel=3 does not divide" in capsys.readouterr().err
+    assert main(["build-cache", "--dry-run", "--batch-sizes", "1,x"]) == 2
+    assert "comma-separated" in capsys.readouterr().err
+
+
+def test_a_missing_step_fails_clearly_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    """A pipeline piece absent from the build must fail its step with a message naming it, never fake an entry."""
+    real_import = cmd_build_cache.importlib.import_module
+
+    def without_search(name, *a, **k):
+        if name == "mirage_serve.search":
+            raise ImportError("No module named 'mirage_serve.search' (hidden by the test)")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(cmd_build_cache.importlib, "import_module", without_search)
+    rc, report = run_json(capsys, "--batch-sizes", "1", "--kv-lens", "1024", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 1
+    assert report["counts"]["built"] == 0 and report["counts"]["failed"] == report["distinct_kernels"]
+    for r in report["results"]:
+        assert r["status"] == "failed" and r["verified"] is None and r["entry_id"] is None
+        assert r["failed_step"] in ("lookup", "search") and "mirage_serve." in r["message"]
+    assert not list(tmp_path.rglob("*.json"))
