@@ -176,7 +176,8 @@ class _Importer:
                 strides = tuple(strides)
             else:
                 strides = None
-            self.ops.append(Op.make("input", name=f"input{len(self.ops)}", shape=shape, dtype=dtype, strides=strides))
+            name = f"input{sum(o.kind == 'input' for o in self.ops)}"
+            self.ops.append(Op.make("input", name=name, shape=shape, dtype=dtype, strides=strides))
             self._declare([(guid, shape, dtype)], where)
             return
         if op_type == "kn_output_op":
