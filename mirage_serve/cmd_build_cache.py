@@ -147,73 +147,34 @@ def _require(step: str, module: str, *names: str) -> list[Any]:
 
 
 def open_cache(cache_dir: str | None) -> Any:
-    """``KernelCache(cache_dir)``, or the default cache (MIRAGE_SERVE_CACHE or the platform cache dir)."""
+    """``KernelCache(cache_dir)``; None means the default cache ($MIRAGE_SERVE_CACHE or the platform cache dir)."""
     (kernel_cache,) = _require("lookup", "mirage_serve.cache", "KernelCache")
-    if cache_dir is not None:
-        return kernel_cache(cache_dir)
-    default = getattr(kernel_cache, "default", None)
-    return default() if callable(default) else kernel_cache()
+    return kernel_cache(cache_dir)
 
 
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
+def current_arch() -> str:
+    """``smXY`` of the GPU torch sees, else ``unprofiled`` (entries ranked by the cost model)."""
+    (current_gpu_arch,) = _require("lookup", "mirage_serve.cache", "current_gpu_arch")
+    return current_gpu_arch()
 
 
 def make_key(subgraph: Any, gpu_arch: str) -> Any:
-    """The cache key of a subgraph on this machine."""
+    """The cache key of a subgraph on this machine: spec, dims, dtype, spec options, GPU architecture."""
     (cache_key,) = _require("lookup", "mirage_serve.cache", "CacheKey")
     return cache_key(spec=subgraph.spec_name, dims=dict(subgraph.dims), dtype=subgraph.dtype,
                      gpu_arch=gpu_arch, options=dict(subgraph.options))
 
 
-def current_arch() -> str:
-    """``smXY`` of the GPU torch sees, else ``unprofiled`` (cost-model entries)."""
-    try:
-        from mirage_serve.cache.keys import current_gpu_arch
-    except ImportError as e:
-        raise StepError("lookup", f"lookup: mirage_serve.cache.keys cannot be imported ({e})") from e
-    return current_gpu_arch()
+def lookup(cache: Any, key: Any) -> Any:
+    """The cached entry for exactly ``key`` (this machine's GPU architecture, or ``unprofiled``), or None.
 
-
-def _entry_key(entry: Any) -> Any:
-    return getattr(entry, "key", None)
-
-
-def _entry_verified(entry: Any) -> bool | None:
-    cert = getattr(entry, "certificate", None)
-    if cert is None:
-        return None
-    verdict = cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
-    return verdict == "equivalent"
-
-
-def _entry_id(entry: Any, key: Any) -> str | None:
-    k = _entry_key(entry) or key
-    return getattr(k, "entry_id", None)
-
-
-def lookup(cache: Any, key: Any, arch: str) -> Any:
-    """The cached entry for ``key`` usable as-is by this build, or None.
-
-    On a GPU, an entry that was only ranked by the cost model (``unprofiled``) is found by the
-    cache's fallback but is rebuilt here so that it gets profiled.
+    No architecture fallback: on a GPU, an entry that was only ranked by the cost model is
+    rebuilt so that it gets profiled. Entries failing the cache's checks count as absent.
     """
     try:
-        entry = cache.lookup(key)
-    except Exception as e:  # a corrupt or foreign entry must not stop the build
+        return cache.get(key)
+    except Exception as e:  # a locked or unreadable cache directory
         raise StepError("lookup", f"lookup: {type(e).__name__}: {e}") from e
-    if entry is None:
-        return None
-    found = _entry_key(entry)
-    if arch != "unprofiled" and getattr(found, "gpu_arch", arch) != arch:
-        log.info("%s: cached entry is %s; rebuilding to profile on %s", key.describe(), found.gpu_arch, arch)
-        return None
-    return entry
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,23 +208,20 @@ def _cert_dict(cert: Any) -> dict[str, Any]:
     return dict(cert) if isinstance(cert, dict) else cert.to_dict()
 
 
-def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any, search_stats: Any, item: WorkItem) -> Any:
+def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
+    """A cache entry for the chosen candidate: its μGraph, codegen params, certificate and times (µs)."""
     (cache_entry,) = _require("write", "mirage_serve.cache", "CacheEntry")
-    timings = {
-        "time_us": ranked.time_us if math.isfinite(ranked.time_us) else None,
-        "baseline_us": baseline.time_us if baseline is not None and math.isfinite(baseline.time_us) else None,
-        "profiled": ranked.profiled,
-        "method": "gpu-profile" if ranked.profiled else "cost-model",
-        "details": ranked.details,
-    }
+    timings = {"time_us": float(ranked.time_us)}
+    if baseline is not None and math.isfinite(baseline.time_us):
+        timings["baseline_us"] = float(baseline.time_us)
     params = ranked.params
     if params is not None and not isinstance(params, dict):
         params = dict(vars(params)) if hasattr(params, "__dict__") else None
-    build = {"roles": list(dict.fromkeys(item.roles)), "search": _plain(search_stats)}
-    from_parts = getattr(cache_entry, "from_parts", None)
-    if callable(from_parts):
-        return from_parts(key=key, graph=ranked.graph, params=params, certificate=_cert_dict(cert), timings=timings, build=build)
-    return cache_entry(key=key, graph=ranked.graph, params=params, certificate=_cert_dict(cert), timings=timings)
+    params = {k: v for k, v in (params or {}).items() if isinstance(v, int | str) and not isinstance(v, bool)}
+    try:
+        return cache_entry.create(key, ranked.graph, certificate=cert, params=params, timings=timings)
+    except Exception as e:
+        raise StepError("write", f"write: the cache refused the entry: {type(e).__name__}: {e}") from e
 
 
 def _plain(obj: Any) -> Any:
@@ -281,6 +239,14 @@ def _plain(obj: Any) -> Any:
     return repr(obj)
 
 
+def cached_result(item: WorkItem, entry: Any, key: Any, seconds: float) -> ItemResult:
+    """The report line of an entry that is already in the cache."""
+    timings = dict(getattr(entry, "timings", None) or {})
+    base, best = timings.get("baseline_us"), timings.get("time_us")
+    return ItemResult(item, "cached", verified=entry.verdict == "equivalent", profiled=entry.profiled,
+                      speedup=base / best if base and best else None, seconds=seconds, entry_id=entry.key.entry_id)
+
+
 def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> ItemResult:
     """Run one work item through lookup -> search -> verify -> codegen -> tune -> write."""
     t0 = time.perf_counter()
@@ -288,15 +254,9 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> Ite
     try:
         key = make_key(sg, arch)
         if not opts.rebuild:
-            entry = lookup(cache, key, arch)
+            entry = lookup(cache, key)
             if entry is not None:
-                found = _entry_key(entry)
-                timings = getattr(entry, "timings", None) or {}
-                prof = timings.get("profiled") if isinstance(timings, dict) else None
-                base, best = (timings.get("baseline_us"), timings.get("time_us")) if isinstance(timings, dict) else (None, None)
-                return ItemResult(item, "cached", verified=_entry_verified(entry), profiled=prof if prof is not None else getattr(found, "gpu_arch", "") != "unprofiled",
-                                  speedup=(base / best) if base and best else None, seconds=time.perf_counter() - t0,
-                                  entry_id=_entry_id(entry, key))
+                return cached_result(item, entry, key, time.perf_counter() - t0)
         spec = sg.build_spec()
 
         # search (its candidates come verified; the certificate is checked and recorded)
@@ -338,13 +298,13 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> Ite
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
 
         # write
-        entry = _make_entry(key, best, cert, baseline, getattr(result, "stats", None), item)
+        entry = _make_entry(key, best, cert, baseline)
         try:
             cache.put(entry)
         except Exception as e:
             raise StepError("write", f"write: {type(e).__name__}: {e}") from e
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
-                          seconds=time.perf_counter() - t0, entry_id=_entry_id(entry, key), candidates=len(compilable),
+                          seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
                           details={"search": _plain(getattr(result, "stats", None))})
     except StepError as e:
         return ItemResult(item, "failed", step=e.step, message=str(e), seconds=time.perf_counter() - t0)
@@ -430,14 +390,14 @@ def run(args: argparse.Namespace) -> int:
 
     cache = None
     cache_error = None
+    arch = "unprofiled"
     try:
         cache = open_cache(args.cache_dir)
         arch = current_arch()
-        header["cache_dir"] = str(getattr(cache, "path", None) or getattr(cache, "root", None) or args.cache_dir)
+        header["cache_dir"] = str(cache.root)
         header["gpu_arch"] = arch
     except StepError as e:
         cache_error = str(e)
-        arch = "unprofiled"
 
     results: list[ItemResult] = []
     if args.dry_run:
@@ -445,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
             r = ItemResult(item, "planned", message="would build")
             if cache is not None:
                 try:
-                    if not args.rebuild and lookup(cache, make_key(item.subgraph, arch), arch) is not None:
+                    if not args.rebuild and lookup(cache, make_key(item.subgraph, arch)) is not None:
                         r = ItemResult(item, "cached", message="already in the cache")
                 except StepError as e:
                     r.message = str(e)
