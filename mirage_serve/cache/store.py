@@ -440,7 +440,7 @@ class KernelCache:
     def verify(
         self,
         key: CacheKey,
-        reverify: Callable[..., Any] | None = None,
+        reverify: Callable[..., Any] | bool | None = None,
         *,
         trials: int = 3,
         seed: int | None = None,
@@ -448,8 +448,8 @@ class KernelCache:
     ) -> VerifyResult:
         """Re-check ``key``'s entry (exact architecture): every file check, then the
         μGraph against its spec with ``reverify(graph, spec, trials=, seed=, float_check=)``
-        (default: ``mirage_serve.verify.verify_equivalent`` when the verifier is
-        installed; otherwise only the file checks run). A verdict of
+        (default ``None``: ``mirage_serve.verify.verify_equivalent`` when the verifier
+        is installed, otherwise only the file checks run; ``False``: file checks only). A verdict of
         ``not_equivalent`` quarantines the entry: its stored certificate was wrong.
         """
         path: Path | None = None
@@ -466,7 +466,9 @@ class KernelCache:
         except EntryRejected as e:
             self._reject(where, path, e.reason)
             return VerifyResult(key, path, "rejected", e.reason)
-        if reverify is None:
+        if reverify is False:
+            return VerifyResult(key, path, "integrity_ok", "file checks passed (re-verification not requested)", entry.certificate)
+        if reverify is None or reverify is True:
             reverify = _default_reverifier()
             if reverify is None:
                 return VerifyResult(key, path, "integrity_ok", "file checks passed; the verifier is not installed, so the certificate was not re-checked", entry.certificate)
