@@ -330,6 +330,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree: heads and intermediate are divided by it")
     parser.add_argument("--lora-config", default=None, help="peft adapter_config.json (or its directory): adds lora_linear per target module")
     parser.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, help=f"search seconds per subgraph (default {DEFAULT_TIME_BUDGET_S:g})")
+    parser.add_argument("--only", default=None, help="comma-separated roles or spec names to build (e.g. attention_decode,attn_norm_qkv); default all")
     parser.add_argument("--dtype", default=None, help="override the config's torch_dtype (bfloat16, float16, float32)")
     parser.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
 
@@ -372,8 +373,18 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.time_budget <= 0:
         print("mirage-serve build-cache: --jobs must be >= 1 and --time-budget > 0", file=sys.stderr)
         return 2
-    items = dedupe(plan.subgraphs)
-    log.info("%s (%s, from %s): %d subgraphs, %d distinct kernels", args.model_id, plan.model_type, source, len(plan.subgraphs), len(items))
+    subgraphs = plan.subgraphs
+    if args.only:
+        wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+        known = {sg.role for sg in subgraphs} | {sg.spec_name for sg in subgraphs}
+        unknown = wanted - known
+        if unknown:
+            print(f"mirage-serve build-cache: --only {','.join(sorted(unknown))} matches no subgraph of this model; "
+                  f"choose from {', '.join(sorted(known))}", file=sys.stderr)
+            return 2
+        subgraphs = [sg for sg in subgraphs if sg.role in wanted or sg.spec_name in wanted]
+    items = dedupe(subgraphs)
+    log.info("%s (%s, from %s): %d subgraphs, %d distinct kernels", args.model_id, plan.model_type, source, len(subgraphs), len(items))
     header = {
         "model_id": args.model_id,
         "config_source": source,
@@ -382,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         "tensor_parallel": args.tensor_parallel,
         "batch_sizes": batch_sizes,
         "kv_len_buckets": plan.kv_len_buckets,
-        "subgraphs": len(plan.subgraphs),
+        "subgraphs": len(subgraphs),
         "distinct_kernels": len(items),
         "excluded": [{"role": e.role, "reason": e.reason} for e in plan.excluded],
         "notes": plan.notes,
@@ -438,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
                           "results": [r.to_dict() for r in results]}, indent=2))
     else:
         print(f"{args.model_id}: {plan.model_type}, {plan.arch.dtype}, config from {source}")
-        print(f"{len(plan.subgraphs)} subgraphs -> {len(items)} distinct kernels; batch buckets {batch_sizes}; kv_len buckets {plan.kv_len_buckets}"
+        print(f"{len(subgraphs)} subgraphs -> {len(items)} distinct kernels; batch buckets {batch_sizes}; kv_len buckets {plan.kv_len_buckets}"
               + (f"; tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""))
         for e in plan.excluded:
             print(f"excluded {e.role}: {e.reason}")

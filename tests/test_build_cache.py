@@ -102,3 +102,12 @@ def test_a_missing_step_fails_clearly_and_writes_nothing(capsys, tmp_path, monke
         assert r["status"] == "failed" and r["verified"] is None and r["entry_id"] is None
         assert r["failed_step"] in ("lookup", "search") and "mirage_serve." in r["message"]
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_only_filters_roles_and_specs(capsys):
+    rc, report = run_json(capsys, "--dry-run", "--batch-sizes", "1,2", "--only", "attention_decode,attn_norm_qkv")
+    assert rc == 0
+    assert {r["subgraph"] for r in report["results"]} == {"attention_decode", "attn_norm_qkv"}
+    assert len(report["results"]) == 2 * (3 + 1)
+    assert main(["build-cache", "--dry-run", "--only", "nonsense"]) == 2
+    assert "matches no subgraph" in capsys.readouterr().err
