@@ -341,34 +341,38 @@ class KernelCache:
             return None
         return entry
 
-    def _reject(self, d: _Dir, path: Path, reason: str) -> None:
+    def _reject(self, d: _Dir, path: Path, reason: str, checksum: str | None = None) -> None:
         if not d.writable:
             _report(path, reason, action="skipped; the package cache is read-only")
             return
         try:
-            moved = self.quarantine(path, reason)
+            moved = self.quarantine(path, reason, checksum=checksum)
         except (OSError, CacheError) as e:
             _report(path, reason, action=f"skipped; could not move it aside: {e}")
             return
         if moved is not None:
             _report(path, reason, action=f"moved to {moved}")
 
-    def quarantine(self, path: Path, reason: str) -> Path | None:
+    def quarantine(self, path: Path, reason: str, *, checksum: str | None = None) -> Path | None:
         """Move a bad user-cache file to ``rejected/`` with a ``.reason`` note beside it.
 
-        Under the lock the file is re-checked first: if another writer replaced it
-        by a good entry meanwhile, it stays. Returns the new path, or None if the
-        file was left (gone, or now valid)."""
+        Under the lock the file is re-checked first, so that an entry another
+        writer replaced meanwhile stays: without ``checksum``, the file is moved
+        only if it still fails a check; with ``checksum`` (an entry found wrong by
+        re-verification), only if it is still that entry. Returns the new path, or
+        None if the file was left."""
         path = Path(path)
         with self._locked():
             if not os.path.lexists(path):
                 return None
             if not path.name.startswith(TMP_PREFIX):
                 try:
-                    load_entry_file(path)
-                    return None  # replaced by a valid entry since it was read
+                    current = load_entry_file(path)
+                    if checksum is None or current.checksum != checksum:
+                        return None  # a valid entry (replaced since it was read)
                 except EntryRejected:
-                    pass
+                    if checksum is not None:
+                        return None  # changed since; its own check will catch it
                 except FileNotFoundError:
                     return None
             rej = self.root / REJECTED
@@ -483,7 +487,7 @@ class KernelCache:
             return VerifyResult(key, path, "equivalent", f"re-verified ({trials} trials, seed {seed})", cert_dict)
         if verdict == "not_equivalent":
             reason = f"re-verification (seed {seed}) found the μGraph NOT equivalent to {key.describe()}; its stored certificate is wrong"
-            self._reject(where, path, reason)
+            self._reject(where, path, reason, checksum=entry.checksum)
             return VerifyResult(key, path, "not_equivalent", reason, cert_dict)
         return VerifyResult(key, path, "unknown", f"the verifier could not decide (verdict {verdict!r}); the entry was kept", cert_dict)
 
