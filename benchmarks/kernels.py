@@ -311,10 +311,28 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
         best = min(passed, key=lambda v: v["median_us"])
         res["ours"] = {"variant": best["name"], "median_us": best["median_us"], "rel_error": best["rel_error"]}
     res["targets"] = evaluate_targets(res)
+    res["model_rank_correlation"] = rank_correlation([(v["model_us"], v["median_us"]) for v in passed])
     sets.clear()  # free the GPU memory before the next case
     refs.clear()
     torch.cuda.empty_cache()
     return res
+
+
+def rank_correlation(pairs: list[tuple[float, float]]) -> float | None:
+    """Spearman's rank correlation between the cost model's estimates and measured times (None below 3 points)."""
+    if len(pairs) < 3:
+        return None
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        r = [0.0] * len(xs)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    a, b = ranks([p[0] for p in pairs]), ranks([p[1] for p in pairs])
+    n = len(pairs)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))
 
 
 def _t(res: dict[str, Any], name: str) -> float | None:
@@ -406,6 +424,19 @@ def markdown(report: dict[str, Any]) -> str:
             for g in r.get("targets", []):
                 lines.append(f"- {r['label']}: {g['goal']}: " + ("not measured" if g["met"] is None else f"ratio {g['ratio']} — {'met' if g['met'] else 'NOT met'}"))
         lines.append("")
+        for r in rows:
+            if not r.get("variants"):
+                continue
+            corr = r.get("model_rank_correlation")
+            lines += [f"<details><summary>{r['label']}: {len(r['variants'])} variants"
+                      + (f", cost-model rank correlation {corr:.2f}" if corr is not None else "") + "</summary>", "",
+                      "| variant | params | schedule | model µs | measured µs | rel. error | status |", "|---|---|---|---|---|---|---|"]
+            for v in sorted(r["variants"], key=lambda v: v.get("median_us") or math.inf):
+                status = v.get("skipped") or v.get("error") or ("ok" if v.get("passed") else "float check failed")
+                err = v.get("rel_error")
+                lines.append(f"| {v['name']} | {v['params']} | {v['schedule']} | {_fmt(v['model_us'])} | {_fmt(v.get('median_us'))} | "
+                             f"{'—' if err is None else f'{err:.1e}'} | {str(status)[:80]} |")
+            lines += ["", "</details>", ""]
     return "\n".join(lines)
 
 

@@ -110,3 +110,18 @@ def test_bench_command_has_room_for_more_benchmarks():
     args = p.parse_args(["kernels", "--dry-run", "--cases", "gated_mlp_b1"])
     assert cmd_bench.run(args) == 0
     assert set(cmd_bench.BENCHES) >= {"kernels", "e2e"}
+
+
+def test_rank_correlation_and_variant_tables():
+    assert K.rank_correlation([(1, 10), (2, 20), (3, 30)]) == 1.0
+    assert K.rank_correlation([(1, 30), (2, 20), (3, 10)]) == -1.0
+    assert K.rank_correlation([(1, 1), (2, 2)]) is None
+    r = _fake_result("gated_mlp", {"batch": 1}, 60.0, eager_graph=70.0)
+    r["variants"] = [{"name": "fused c8 k512", "params": {"num_warps": 4}, "schedule": "s", "model_us": 61.0, "median_us": 60.0,
+                      "rel_error": 3e-3, "passed": True},
+                     {"name": "fused c16 k512", "params": {}, "schedule": "s", "model_us": 59.0, "error": "RuntimeError: boom"}]
+    env = {"gpu": "G", "date_utc": "d", "torch": "t", "triton": "tr", "transformers": "hf", "cuda": "c",
+           "copy_bandwidth_tb_s": 4.2, "dtype": "bfloat16", "timing": "median", "mugraph_source": V.MUGRAPH_SOURCE}
+    md = K.markdown({"environment": env, "cases": [r]})
+    assert "| fused c8 k512 | {'num_warps': 4} | s | 61.0 | 60.0 | 3.0e-03 | ok |" in md
+    assert "RuntimeError: boom" in md
