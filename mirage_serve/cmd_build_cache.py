@@ -10,8 +10,13 @@ sees a GPU, else the analytical cost model, recorded as ``unprofiled``) -> cache
 
 Each entry is written as soon as it is built, so an interrupted build resumes where it
 stopped. Decode attention uses the kv_len buckets of :mod:`mirage_serve.models.base`
-(1024, 4096, 16384, each capped at the model's context or sliding window). Certificates are
-never reused across shapes: every bucket is searched and verified at its own dims.
+(1024, 4096, 16384, each capped at the model's context or sliding window).
+
+Buckets of one family (same spec, dtype, options and non-bucketed dims) share structure: the
+first bucket is searched in full, and its best verified μGraphs seed the others — each is
+re-instantiated at the new bucket's shapes (fresh grids and loop ranges) and verified again
+against that bucket's spec. A certificate is never reused across shapes; when no seed
+re-verifies, that bucket is searched in full. ``--no-seed`` searches every bucket.
 
 A pipeline step whose package is missing from this build fails that subgraph with a message
 naming the missing piece; nothing is written for it.
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
 DEFAULT_TIME_BUDGET_S = 60.0
+BUCKETED_DIMS = ("batch", "kv_len")
+MAX_SEEDS = 4  # verified structures of one bucket tried at the next buckets of the same family
 
 
 class StepError(Exception):
@@ -95,6 +102,7 @@ class ItemResult:
     entry_id: str | None = None
     candidates: int = 0
     details: dict[str, Any] = field(default_factory=dict)
+    graphs: list[Any] = field(default_factory=list, repr=False)  # verified μGraphs that may seed other buckets
 
     @property
     def speedup_text(self) -> str:
@@ -204,10 +212,6 @@ def _verdict(cert: Any) -> str | None:
     return cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
 
 
-def _cert_dict(cert: Any) -> dict[str, Any]:
-    return dict(cert) if isinstance(cert, dict) else cert.to_dict()
-
-
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
     """A cache entry for the chosen candidate: its μGraph, codegen params, certificate and times (µs)."""
     (cache_entry,) = _require("write", "mirage_serve.cache", "CacheEntry")
@@ -244,11 +248,96 @@ def cached_result(item: WorkItem, entry: Any, key: Any, seconds: float) -> ItemR
     timings = dict(getattr(entry, "timings", None) or {})
     base, best = timings.get("baseline_us"), timings.get("time_us")
     return ItemResult(item, "cached", verified=entry.verdict == "equivalent", profiled=entry.profiled,
-                      speedup=base / best if base and best else None, seconds=seconds, entry_id=entry.key.entry_id)
+                      speedup=base / best if base and best else None, seconds=seconds, entry_id=entry.key.entry_id,
+                      graphs=[entry.graph])
 
 
-def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> ItemResult:
-    """Run one work item through lookup -> search -> verify -> codegen -> tune -> write."""
+def family_of(subgraph: Any) -> tuple:
+    """Subgraphs that differ only in their bucketed dims (batch, kv_len): one structure may serve them all."""
+    dims = tuple(sorted((k, v) for k, v in subgraph.dims.items() if k not in BUCKETED_DIMS))
+    return (subgraph.spec_name, dims, subgraph.dtype, tuple(sorted(subgraph.options.items())))
+
+
+@dataclass
+class Found:
+    """A candidate μGraph for one bucket with its certificate (computed at that bucket's dims)."""
+
+    graph: Any
+    certificate: Any
+    origin: str  # "search" or "seeded"
+
+
+def reinstantiate(graph: Any, spec: Any, config: Any) -> list[Any]:
+    """``graph``'s structure at ``spec``'s shapes: its input operators replaced by the spec's and its
+    grids and loop ranges chosen afresh (``mirage_serve.search.enumerate.instantiations``), cheapest
+    first. Empty when the structure does not fit the new shapes. The results are unverified."""
+    from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
+
+    (instantiations,) = _require("search", "mirage_serve.search.enumerate", "instantiations")
+    new_inputs = {op.attr("name"): op for op in spec.input_ops}
+    if sorted(new_inputs) != sorted(op.attr("name") for op in graph.input_ops):
+        return []
+    ops = tuple(new_inputs[op.attr("name")] if op.kind == "input" else op for op in graph.ops)
+    try:
+        found = instantiations(KernelGraph(ops, graph.outputs), config)
+    except MuGraphError:
+        return []
+    return [g for _, g in found[: config.instantiations_per_structure]]
+
+
+def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions) -> tuple[list[Found], dict[str, Any]]:
+    """Verified μGraphs for ``spec`` from the structures verified at another bucket.
+
+    Every re-instantiated graph is verified afresh against this bucket's spec; a certificate is
+    never carried over from another shape.
+    """
+    from mirage_serve.mugraph.serialize import content_hash
+
+    (verify_equivalent,) = _require("verify", "mirage_serve.verify", "verify_equivalent")
+    tried: set[str] = set()
+    out: list[Found] = []
+    rejected = 0
+    for seed_graph in seeds:
+        for g in reinstantiate(seed_graph, spec, config):
+            h = content_hash(g)
+            if h in tried:
+                continue
+            tried.add(h)
+            cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
+            if _verdict(cert) == "equivalent":
+                out.append(Found(g, cert, "seeded"))
+            else:
+                rejected += 1
+    return out, {"seeds": len(seeds), "instantiated": len(tried), "verified": len(out), "rejected": rejected}
+
+
+def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[list[Found], dict[str, Any]]:
+    """Verified μGraphs for ``spec`` from a full search (its certificates, or fresh ones where absent)."""
+    (superoptimize,) = _require("search", "mirage_serve.search", "superoptimize")
+    result = superoptimize(spec, config)
+    stats = _plain(getattr(result, "stats", None)) or {}
+    candidates = list(result.candidates)[: opts.max_candidates]
+    if not candidates:
+        raise StepError("search", f"search found no verified candidate within {opts.time_budget_s:g}s (stats: {stats}); "
+                                  "try a larger --time-budget")
+    out = []
+    for c in candidates:
+        cert = _certificate_of(c, spec, opts)
+        if _verdict(cert) == "equivalent":
+            out.append(Found(c.graph, cert, "search"))
+        else:
+            log.warning("dropping a search candidate whose certificate says %r", _verdict(cert))
+    if not out:
+        raise StepError("verify", f"none of the {len(candidates)} search candidates has an 'equivalent' certificate")
+    return out, stats
+
+
+def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None = None) -> ItemResult:
+    """Run one work item through lookup -> search (or seeded re-instantiation) -> verify -> codegen -> tune -> write.
+
+    ``seeds``: μGraphs verified for another bucket of the same family; when given and one of
+    them re-verifies at this bucket's shapes, the full search is skipped.
+    """
     t0 = time.perf_counter()
     sg = item.subgraph
     try:
@@ -258,54 +347,45 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions) -> Ite
             if entry is not None:
                 return cached_result(item, entry, key, time.perf_counter() - t0)
         spec = sg.build_spec()
-
-        # search (its candidates come verified; the certificate is checked and recorded)
-        superoptimize, search_config = _require("search", "mirage_serve.search", "superoptimize", "SearchConfig")
+        (search_config,) = _require("search", "mirage_serve.search", "SearchConfig")
         config = search_config(time_budget_s=opts.time_budget_s, jobs=opts.jobs, trials=opts.trials, seed=opts.seed, progress=False)
-        result = superoptimize(spec, config)
-        candidates = list(result.candidates)[: opts.max_candidates]
-        if not candidates:
-            raise StepError("search", f"search found no verified candidate within {opts.time_budget_s:g}s "
-                                      f"(stats: {_plain(getattr(result, 'stats', None))}); try a larger --time-budget")
 
-        # verify: keep only candidates whose certificate says equivalent at exactly these dims
-        certified = []
-        for c in candidates:
-            cert = _certificate_of(c, spec, opts)
-            if _verdict(cert) == "equivalent":
-                certified.append((c, cert))
-            else:
-                log.warning("%s: dropping a candidate whose certificate says %r", sg.describe(), _verdict(cert))
-        if not certified:
-            raise StepError("verify", f"none of the {len(candidates)} candidates has an 'equivalent' certificate")
+        # candidates: seeded from another bucket's verified structures when possible, else searched
+        found: list[Found] = []
+        details: dict[str, Any] = {}
+        if seeds:
+            found, details["seeded"] = seeded_candidates(seeds, spec, config, opts)
+        if not found:
+            found, details["search"] = searched_candidates(spec, config, opts)
 
         # codegen: only μGraphs the Triton generator can compile are worth caching
         (supports,) = _require("codegen", "mirage_serve.codegen", "supports")
-        compilable = [(c, cert) for c, cert in certified if supports(c.graph)]
+        compilable = [f for f in found if supports(f.graph)]
         if not compilable:
-            raise StepError("codegen", f"codegen supports none of the {len(certified)} verified candidates")
+            raise StepError("codegen", f"codegen supports none of the {len(found)} verified candidates")
 
         # tune: GPU profile when available, else the analytical cost model (unprofiled)
         (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")
         device = "cuda" if arch != "unprofiled" else "cpu"
-        ranked = rank_candidates([c.graph for c, _ in compilable], device=device, spec=spec)
+        ranked = rank_candidates([f.graph for f in compilable], device=device, spec=spec)
         ranked = [r for r in ranked if r.passed and math.isfinite(r.time_us)]
         if not ranked:
             raise StepError("tune", "every candidate failed its float check while profiling")
         best = ranked[0]
-        cert = next(cert for c, cert in compilable if c.graph is best.graph)
+        chosen = next(f for f in compilable if f.graph is best.graph)
         baseline = rank_candidates([spec], device=device, spec=spec)[0]
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
 
         # write
-        entry = _make_entry(key, best, cert, baseline)
+        entry = _make_entry(key, best, chosen.certificate, baseline)
         try:
             cache.put(entry)
         except Exception as e:
             raise StepError("write", f"write: {type(e).__name__}: {e}") from e
+        details["origin"] = chosen.origin
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
-                          details={"search": _plain(getattr(result, "stats", None))})
+                          details=details, graphs=[r.graph for r in ranked[:MAX_SEEDS]])
     except StepError as e:
         return ItemResult(item, "failed", step=e.step, message=str(e), seconds=time.perf_counter() - t0)
     except Exception as e:  # one subgraph's bug must not lose the others' entries
@@ -330,6 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree: heads and intermediate are divided by it")
     parser.add_argument("--lora-config", default=None, help="peft adapter_config.json (or its directory): adds lora_linear per target module")
     parser.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, help=f"search seconds per subgraph (default {DEFAULT_TIME_BUDGET_S:g})")
+    parser.add_argument("--no-seed", action="store_true",
+                        help="search every bucket from scratch instead of first re-verifying the structures found at its family's first bucket")
     parser.add_argument("--only", default=None, help="comma-separated roles or spec names to build (e.g. attention_decode,attn_norm_qkv); default all")
     parser.add_argument("--dtype", default=None, help="override the config's torch_dtype (bfloat16, float16, float32)")
     parser.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
@@ -425,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
     else:
         opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild)
+        seeds: dict[tuple, list[Any]] = {}
         from tqdm import tqdm
 
         bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
@@ -434,8 +517,11 @@ def run(args: argparse.Namespace) -> int:
                 if cache is None:
                     results.append(ItemResult(item, "failed", step="lookup", message=cache_error or "no cache"))
                     continue
-                r = build_item(item, cache, arch, opts)
+                family = family_of(item.subgraph)
+                r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds.get(family))
                 results.append(r)
+                if r.graphs and family not in seeds:
+                    seeds[family] = r.graphs
                 log.info("%s %s: %s in %.1fs%s", item.describe(), item.bucket, r.status, r.seconds, f" ({r.message})" if r.message else "")
         except KeyboardInterrupt:
             log.warning("interrupted: entries built so far are in the cache; run the same command again to resume")
