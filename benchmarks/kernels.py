@@ -231,7 +231,18 @@ def _reference(case: Case, spec, inputs, kind: str):
     return ref
 
 
-def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any]:
+def _cuda_alive() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # an illegal access poisons the context: every later call fails
+        return False
+
+
+def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozenset[str] = frozenset(),
+             inflight: Path | None = None) -> dict[str, Any]:
     import torch
 
     from mirage_serve.tune.profile import make_params, random_device_inputs
@@ -256,7 +267,7 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
         for name, (fn, arg_sets, kind) in _stock_contenders(case, sets).items():
             if args.contenders is not None and name not in args.contenders:
                 continue
-            if time.monotonic() > deadline:
+            if time.time() > deadline:
                 res["contenders"][name] = {"skipped": "time budget"}
                 continue
             entry: dict[str, Any] = {}
@@ -282,8 +293,11 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
         for v in [] if args.no_variants else case.variants:
             entry = {"name": v.name, "params": v.params, "schedule": v.schedule, "model_us": estimate(v.graph, v.params).time_s * 1e6}
             res["variants"].append(entry)
-            if time.monotonic() > deadline:
+            if time.time() > deadline:
                 entry["skipped"] = "time budget"
+                continue
+            if v.name in crashed:
+                entry["error"] = "crashed the CUDA context in an earlier attempt of this run"
                 continue
             if supports is not None:
                 ok = supports(v.graph)
@@ -291,6 +305,8 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
                 if not ok:
                     entry["skipped"] = f"codegen does not support it: {why}"
                     continue
+            if inflight is not None:
+                inflight.write_text(json.dumps({"label": case.label, "variant": v.name}))
             try:
                 t0 = time.perf_counter()
                 compiled = codegen.compile_graph(v.graph, make_params(v.params))
@@ -305,12 +321,18 @@ def run_case(case: Case, args, copy_bw: float, deadline: float) -> dict[str, Any
             except Exception as e:  # a variant that fails to compile or run loses, with the reason kept
                 log.warning("%s variant %s failed: %s", case.label, v.name, e)
                 entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if not _cuda_alive():
+                    log.error("variant %s of %s broke the CUDA context; rerun with --resume to go on without it", v.name, case.label)
+                    raise SystemExit(3) from e
+            if inflight is not None:
+                inflight.unlink(missing_ok=True)
             log.info("%s %-20s %s err=%s", case.label, v.name, entry.get("median_us"), entry.get("rel_error"))
     passed = [v for v in res["variants"] if v.get("passed") and "median_us" in v]
     if passed:
         best = min(passed, key=lambda v: v["median_us"])
         res["ours"] = {"variant": best["name"], "median_us": best["median_us"], "rel_error": best["rel_error"]}
     res["targets"] = evaluate_targets(res)
+    res["complete"] = True
     res["model_rank_correlation"] = rank_correlation([(v["model_us"], v["median_us"]) for v in passed])
     sets.clear()  # free the GPU memory before the next case
     refs.clear()
@@ -486,6 +508,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=50, help="timed CUDA-graph replays per contender")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=520.0, help="stop starting new measurements after this many seconds")
+    p.add_argument("--deadline-epoch", type=float, default=None, help="absolute deadline (time.time()), overrides --budget-s")
+    p.add_argument("--resume", action="store_true", help="keep the finished cases of an earlier attempt with the same --out/--tag and skip "
+                   "the variant that broke the CUDA context")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -512,15 +537,31 @@ def run(args: argparse.Namespace) -> int:
     from mirage_serve.tune.timing import copy_bandwidth
 
     start = time.monotonic()
-    deadline = start + args.budget_s
-    copy_bw = copy_bandwidth()
-    report = {"environment": environment(copy_bw), "cases": []}
+    deadline = args.deadline_epoch or time.time() + args.budget_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"kernels-{args.tag}.json", out / f"kernels-{args.tag}.md"
+    inflight = out / f"kernels-{args.tag}.inflight"
+    crashed: dict[str, set[str]] = {}
+    if args.resume and jpath.is_file():
+        report = json.loads(jpath.read_text())
+        report["cases"] = [c for c in report["cases"] if c.get("complete")]
+        crashed = {k: set(v) for k, v in report.get("crashed", {}).items()}
+        if inflight.is_file():
+            last = json.loads(inflight.read_text())
+            crashed.setdefault(last["label"], set()).add(last["variant"])
+            inflight.unlink()
+        report["crashed"] = {k: sorted(v) for k, v in crashed.items()}
+        copy_bw = report["environment"]["copy_bandwidth_tb_s"] * 1e12
+    else:
+        copy_bw = copy_bandwidth()
+        report = {"environment": environment(copy_bw), "cases": []}
+    done = {c["label"] for c in report["cases"]}
     for case in cases:
+        if case.label in done:
+            continue
         t0 = time.monotonic()
-        res = run_case(case, args, copy_bw, deadline)
+        res = run_case(case, args, copy_bw, deadline, frozenset(crashed.get(case.label, ())), inflight)
         res["wall_s"] = round(time.monotonic() - t0, 1)
         report["cases"].append(res)
         jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
