@@ -288,8 +288,10 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozens
             log.info("%s %-20s %s", case.label, name, entry.get("median_us"))
 
         from mirage_serve import codegen
+        from mirage_serve.mugraph import content_hash
 
         supports = getattr(codegen, "supports", None)
+        seen: dict[tuple[str, str], str] = {}
         for v in [] if args.no_variants else case.variants:
             entry = {"name": v.name, "params": v.params, "schedule": v.schedule, "model_us": estimate(v.graph, v.params).time_s * 1e6}
             res["variants"].append(entry)
@@ -299,6 +301,11 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozens
             if v.name in crashed:
                 entry["error"] = "crashed the CUDA context in an earlier attempt of this run"
                 continue
+            key = (content_hash(v.graph), repr(make_params(v.params)))
+            if key in seen:  # codegen ignores a param that tells these apart
+                entry["skipped"] = f"same kernel as {seen[key]}"
+                continue
+            seen[key] = v.name
             if supports is not None:
                 ok = supports(v.graph)
                 ok, why = (ok if isinstance(ok, tuple) else (bool(ok), None))
