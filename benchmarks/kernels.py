@@ -301,7 +301,10 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozens
             if v.name in crashed:
                 entry["error"] = "crashed the CUDA context in an earlier attempt of this run"
                 continue
-            key = (content_hash(v.graph), repr(make_params(v.params)))
+            try:
+                key = (content_hash(v.graph), repr(make_params(v.params)))
+            except ImportError:  # no CodegenParams: compile_graph below reports it
+                key = (content_hash(v.graph), repr(v.params))
             if key in seen:  # codegen ignores a param that tells these apart
                 entry["skipped"] = f"same kernel as {seen[key]}"
                 continue
