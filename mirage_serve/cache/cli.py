@@ -15,7 +15,7 @@ from typing import Any
 from mirage_serve.cache.entry import CacheError
 from mirage_serve.cache.store import KernelCache, ScanItem, VerifyResult
 
-_PREFERRED_TIMINGS = ("latency_us", "median_us", "mean_us", "us", "latency_ms", "ms")
+_PREFERRED_TIMINGS = ("time_us", "latency_us", "median_us", "mean_us", "us", "latency_ms", "ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -77,11 +77,14 @@ def shipped_cache_dir() -> Path | None:
     return root if root.is_dir() else None
 
 
-def _report(path: Path, reason: str, *, action: str) -> None:
-    with _reported_lock:
-        if (str(path), reason) in _reported:
-            return
-        _reported.add((str(path), reason))
+def _report(path: Path, reason: str, *, action: str, once: bool = True) -> None:
+    """Log a rejected file. A file left in place (read-only cache) is reported once per
+    process; one moved aside is reported every time, as each is a new file."""
+    if once:
+        with _reported_lock:
+            if (str(path), reason) in _reported:
+                return
+            _reported.add((str(path), reason))
     log.warning("kernel cache: rejected %s: %s (%s)", path, reason, action)
 
 
@@ -351,7 +354,7 @@ class KernelCache:
             _report(path, reason, action=f"skipped; could not move it aside: {e}")
             return
         if moved is not None:
-            _report(path, reason, action=f"moved to {moved}")
+            _report(path, reason, action=f"moved to {moved}", once=False)
 
     def quarantine(self, path: Path, reason: str, *, checksum: str | None = None) -> Path | None:
         """Move a bad user-cache file to ``rejected/`` with a ``.reason`` note beside it.
