@@ -209,6 +209,14 @@ def test_hand_written_block_graph_imports_and_runs():
     assert torch.allclose(execute(g, [x])[0], x.sum(-1, keepdim=True))
 
 
+def test_non_row_major_input_strides_are_kept():
+    raw = _rowsum_graph()
+    raw[0]["input_strides"] = [1, 4]  # column-major (4, 64)
+    assert import_mirage_graph(raw).ops[0].attr("strides") == (1, 4)
+    raw[0]["input_strides"] = [64, 1]
+    assert import_mirage_graph(raw).ops[0].attr("strides") is None
+
+
 def test_maps_of_size_one_grid_dims_are_ignored():
     raw = _rowsum_graph()
     raw[1]["bgraph"]["operators"][0]["input_map"].update(y=1, z=0)  # y, z have size 1: no split
@@ -305,6 +313,9 @@ def test_mul_scalar_without_scalar_is_refused():
         (lambda r: r[1]["bgraph"]["operators"][0]["dtensor"].update(guid=7), r"loads kernel tensor 7, which is not an input"),
         (lambda r: r[1]["bgraph"]["operators"].pop(2), r"written by no tb_output_op"),
         (lambda r: r.pop(2), r"no kn_output_op"),
+        (lambda r: r[2].update(input_tensors=[]), r"kernel op 2 \(kn_output_op\): kn_output_op takes exactly one input tensor, got 0"),
+        (lambda r: r[0].update(input_strides=[64, "1"]), r"kernel op 0 \(kn_input_op\): input_strides \[64, '1'\] should be 2 positive integers"),
+        (lambda r: r[1]["bgraph"]["operators"][1].update(input_tensors=[]), r"as imported \(block inputs numbered first\): kernel op 1 \(customized\), block op 0 \(accum\(fn=sum_last\)\): takes 1 input\(s\), got 0"),
         (lambda r: r[1]["bgraph"]["grid_dim"].update(y=0), r"grid_dim.y = 0 must be positive"),
         (lambda r: r[1]["bgraph"]["operators"][0]["input_map"].update(x=-3), r"input_map.x = -3; expected a tensor dim or -1"),
         (lambda r: r[1]["bgraph"]["operators"][2]["output_map"].update(x=5), r"output_map\[0\] = 5 is not a dim"),

@@ -172,18 +172,19 @@ class _Importer:
             if isinstance(imap, dict) and any(v != -1 for v in imap.values()):
                 raise _err(where, f"input_map {imap} distributes the input over devices, which mirage-serve does not model")
             strides = op.get("input_strides")
-            if strides is not None and tuple(strides) != row_major_strides(shape):
-                strides = tuple(strides)
-            else:
-                strides = None
+            if strides is not None:
+                if not isinstance(strides, list) or len(strides) != len(shape) or not all(isinstance(x, int) and x > 0 for x in strides):
+                    raise _err(where, f"input_strides {strides!r} should be {len(shape)} positive integers")
+                strides = None if tuple(strides) == row_major_strides(shape) else tuple(strides)
             name = f"input{sum(o.kind == 'input' for o in self.ops)}"
             self.ops.append(Op.make("input", name=name, shape=shape, dtype=dtype, strides=strides))
             self._declare([(guid, shape, dtype)], where)
             return
         if op_type == "kn_output_op":
-            (t,) = self._in_ids(op, where, self.ids) or [None]
-            if t is None:
-                raise _err(where, "kn_output_op has no input tensor")
+            ins = self._in_ids(op, where, self.ids)
+            if len(ins) != 1:
+                raise _err(where, f"kn_output_op takes exactly one input tensor, got {len(ins)}")
+            t = ins[0]
             strides = op.get("output_strides")
             shape = self.declared[t][1]
             if strides is not None and tuple(strides) != row_major_strides(shape):
@@ -302,7 +303,10 @@ class _Importer:
     def build(self) -> KernelGraph:
         if not self.outputs:
             raise _err("graph", "no kn_output_op marks an output")
-        graph = KernelGraph(tuple(self.ops), tuple(self.outputs)).validate()
+        try:
+            graph = KernelGraph(tuple(self.ops), tuple(self.outputs)).validate()
+        except MuGraphError as e:
+            raise MuGraphError(f"upstream Mirage graph, as imported (block inputs numbered first): {e}") from None
         info = graph.info
         for tid, (guid, shape, dtype, where) in enumerate(self.declared):
             if info[tid].shape != shape or info[tid].dtype != dtype:
