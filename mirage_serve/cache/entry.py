@@ -362,7 +362,6 @@ class CacheEntry:
         verdict = self.certificate.get("verdict")
         if verdict != "equivalent":
             raise EntryRejected(f"certificate verdict is {str(verdict)[:40]!r}, not 'equivalent': only verified kernels may be cached")
-        _check_certificate_with_verifier(self.certificate)
 
     @functools.cached_property
     def graph(self) -> KernelGraph:
@@ -377,17 +376,3 @@ class CacheEntry:
     def profiled(self) -> bool:
         """Measured on a GPU (an architecture in the key and at least one timing)."""
         return self.key.gpu_arch != "unprofiled" and bool(self.timings)
-
-
-def _check_certificate_with_verifier(cert: dict[str, Any]) -> None:
-    """When the verifier is installed, its ``Certificate.from_dict`` must accept the dict."""
-    try:
-        from mirage_serve.verify import Certificate  # lazily: the cache works without the verifier
-    except ImportError:
-        return
-    try:
-        parsed = Certificate.from_dict(cert)
-    except Exception as e:  # noqa: BLE001 - any failure of the verifier's parser means a malformed certificate
-        raise EntryRejected(f"certificate is not a valid verifier certificate: {type(e).__name__}: {e}") from None
-    if getattr(parsed, "verdict", None) != "equivalent":
-        raise EntryRejected(f"certificate verdict is {getattr(parsed, 'verdict', None)!r}, not 'equivalent'")
