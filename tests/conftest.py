@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -8,3 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 MUGRAPHS = SHARED / "mirage-mugraphs"
+
+# `python -m pytest` puts the checkout first on sys.path, so its mirage_serve/ is imported even
+# after a non-editable `pip install .`; pyproject's package-dir maps models/ and kernel_cache/
+# into that package, so map them the same way when the installed layout is not what we got.
+if importlib.util.find_spec("mirage_serve.models") is None:
+    import mirage_serve
+
+    mirage_serve.__path__.append(str(Path(__file__).resolve().parents[1]))
