@@ -283,3 +283,17 @@ def test_cli_errors_go_to_stderr_with_status_2(cache, capsys):
     rc, _, err = cli(capsys, "prune", "--cache-dir", str(blocker), "--no-package")
     assert rc == 2 and err.startswith("mirage-serve cache prune:")
     assert os.path.isfile(blocker)
+
+
+def test_put_waits_for_the_lock_then_says_what_to_do(cache):
+    import filelock
+
+    cache.root.mkdir(parents=True)
+    other = filelock.FileLock(str(cache.root / ".lock"))
+    with other:
+        # a second lock object in this process stands in for another builder holding the directory
+        blocked = KernelCache(cache.root, readonly_dirs=(), lock_timeout=0.2)
+        with pytest.raises(CacheError, match="could not lock kernel cache .* another build is writing it"):
+            blocked.put(make_entry())
+        assert blocked.lookup(make_key()) is None  # reads never need the lock
+    assert KernelCache(cache.root, readonly_dirs=(), lock_timeout=5).put(make_entry()).exists()
