@@ -268,6 +268,11 @@ def test_huge_dimensions(cache, caplog, tripwires):
     write_obj(cache, make_key(), resign(obj))
     expect_rejected(cache, make_key(), caplog, "μGraph inputs [[1099511627776, 64]:float32", "do not match spec")
 
+    obj = make_entry().to_obj()  # far too many operators
+    obj["mugraph"]["kernel"]["ops"] = obj["mugraph"]["kernel"]["ops"][:1] * 5000
+    write_obj(cache, make_key(), resign(obj))
+    expect_rejected(cache, make_key(), caplog, "5000 operators exceeds the limit of 4096")
+
     path = cache.path_for(make_key())  # a file far larger than any entry: refused before parsing
     path.write_bytes(b" " * (5 << 20))
     expect_rejected(cache, make_key(), caplog, "over the 4194304-byte limit")

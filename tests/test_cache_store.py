@@ -297,3 +297,14 @@ def test_put_waits_for_the_lock_then_says_what_to_do(cache):
             blocked.put(make_entry())
         assert blocked.lookup(make_key()) is None  # reads never need the lock
     assert KernelCache(cache.root, readonly_dirs=(), lock_timeout=5).put(make_entry()).exists()
+
+
+def test_spec_options_are_part_of_the_key(cache):
+    key = CacheKey("rmsnorm_linear", DIMS, "float32", "sm90", options={"eps": 1e-5})
+    graph = fused_rmsnorm_linear(4, 64, 32, n_blocks=4, loop=2, eps=1e-5)
+    cache.put(CacheEntry.create(key, graph, certificate=CERT))
+    assert cache.lookup(key).key.options_dict == {"eps": 1e-5}
+    assert cache.lookup(make_key()) is None  # the model with the default eps gets no kernel built for another eps
+    bad = CacheKey("rmsnorm_linear", DIMS, "float32", "sm90", options={"no_such_option": 1})
+    with pytest.raises(CacheError, match="does not name a buildable spec"):
+        cache.put(CacheEntry.create(bad, graph, certificate=CERT))
