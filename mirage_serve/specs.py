@@ -24,14 +24,16 @@ class Spec:
     doc: str
     # which params are read from which input dims, to infer dims from a candidate
     dims_from_inputs: tuple[tuple[str, int, int], ...] = ()
+    # inputs whose dim 0 grows with the batch (padded or masked when fewer rows run)
+    row_inputs: tuple[int, ...] = (0,)
 
 
 SPECS: dict[str, Spec] = {}
 
 
-def _register(name: str, params: tuple[str, ...], defaults: dict[str, int], doc: str, dims_from_inputs=()):
+def _register(name: str, params: tuple[str, ...], defaults: dict[str, int], doc: str, dims_from_inputs=(), row_inputs=(0,)):
     def deco(fn: Callable[..., KernelGraph]) -> Callable[..., KernelGraph]:
-        SPECS[name] = Spec(name, params, defaults, fn, doc, tuple(dims_from_inputs))
+        SPECS[name] = Spec(name, params, defaults, fn, doc, tuple(dims_from_inputs), tuple(row_inputs))
         return fn
 
     return deco
@@ -58,6 +60,7 @@ def rmsnorm_linear(batch: int, hidden: int, out: int, dtype: str = "float32", ep
     {},
     "residual add, RMSNorm, linear; outputs (H = X + R, rms_norm(H, g) @ W^T)",
     (("batch", 0, 0), ("hidden", 0, 1), ("out", 3, 0)),
+    row_inputs=(0, 1),
 )
 def add_rmsnorm_linear(batch: int, hidden: int, out: int, dtype: str = "float32", eps: float = 1e-6) -> KernelGraph:
     g = GraphBuilder()
@@ -75,6 +78,7 @@ def add_rmsnorm_linear(batch: int, hidden: int, out: int, dtype: str = "float32"
     {},
     "GQA decode attention for one query token, softmax with max-subtraction. "
     "Q [batch*kv_heads, q_heads/kv_heads, head_dim], K and V [batch*kv_heads, kv_len, head_dim]",
+    row_inputs=(0, 1, 2),
 )
 def attention_decode(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str = "float32", scale: float | None = None) -> KernelGraph:
     if q_heads % kv_heads:

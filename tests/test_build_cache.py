@@ -9,11 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mirage_serve.models import get_adapter  # noqa: E402
-from mirage_serve.models.base import Subgraph  # noqa: E402
-
 from mirage_serve import cmd_build_cache  # noqa: E402
 from mirage_serve.cli import main  # noqa: E402
+from mirage_serve.models import get_adapter  # noqa: E402
+from mirage_serve.models.base import Subgraph  # noqa: E402
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:

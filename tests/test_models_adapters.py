@@ -10,8 +10,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
-from mirage_serve.models import AdapterError, LoraSpec, adapter_for_config, get_adapter, supported_model_types  # noqa: E402
 
+from mirage_serve.models import AdapterError, LoraSpec, adapter_for_config, get_adapter, supported_model_types  # noqa: E402
 from mirage_serve.specs import SPECS, build_spec  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -9,8 +9,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mirage_serve.models import adapter_for_config  # noqa: E402
-
 from mirage_serve.model_ids import (  # noqa: E402
     DEFAULT_MODEL_ID,
     ModelNotFoundError,
@@ -18,6 +16,7 @@ from mirage_serve.model_ids import (  # noqa: E402
     hf_cache_dirs,
     resolve_config,
 )
+from mirage_serve.models import adapter_for_config  # noqa: E402
 
 REQUIRED_BUNDLED = {
     "meta-llama/Llama-3.1-8B-Instruct",

@@ -1,6 +1,6 @@
 import torch
-
 from handwritten import fused_gated_mlp, fused_lora, fused_rmsnorm_linear, split_kv_attention
+
 from mirage_serve.reference import execute, random_inputs
 from mirage_serve.specs import build_spec
 
