@@ -318,6 +318,14 @@ def test_symlink_pointing_outside_the_cache(cache, caplog, tmp_path, tripwires):
     expect_rejected(cache, make_key(), caplog, "symlink")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_under_an_entry_name_does_not_hang(cache, caplog):
+    path = cache.path_for(make_key())
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    expect_rejected(cache, make_key(), caplog, "not a regular file")
+
+
 def test_entries_folder_symlinked_outside_is_ignored(tmp_path, caplog):
     outside = tmp_path / "elsewhere"
     KernelCache(outside, readonly_dirs=()).put(make_entry())

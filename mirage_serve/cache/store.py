@@ -153,7 +153,8 @@ class _Dir:
 
 def _read_entry_file(path: Path) -> tuple[bytes, os.stat_result]:
     """Read an entry file without following links: regular files only, bounded size."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: opening a FIFO or device planted under an entry's name must not hang the reader
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:
