@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from handwritten import fused_rmsnorm_linear
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mirage_serve.cache import CacheEntry, CacheError, CacheKey, KernelCache, default_cache_dir
 from mirage_serve.cache.store import ENTRIES, REJECTED
@@ -308,3 +310,21 @@ def test_spec_options_are_part_of_the_key(cache):
     bad = CacheKey("rmsnorm_linear", DIMS, "float32", "sm90", options={"no_such_option": 1})
     with pytest.raises(CacheError, match="does not name a buildable spec"):
         cache.put(CacheEntry.create(bad, graph, certificate=CERT))
+
+
+_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    params=st.dictionaries(_names, st.integers(-(1 << 31), 1 << 31) | st.text(max_size=20), max_size=6),
+    timings=st.dictionaries(_names, st.floats(min_value=0, max_value=1e9, allow_nan=False), max_size=4),
+    cert_extra=st.dictionaries(_names, st.integers() | st.text(max_size=10) | st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=3), max_size=4),
+)
+def test_entries_round_trip_through_their_file_text(params, timings, cert_extra):
+    from mirage_serve.cache.entry import parse_entry_json
+
+    cert = {**cert_extra, "verdict": "equivalent"}
+    e = CacheEntry.create(make_key(), fused_rmsnorm_linear(4, 64, 32, 4, 2), certificate=cert, params=params, timings=timings)
+    back = CacheEntry.from_obj(parse_entry_json(e.to_json().encode("ascii")))
+    assert back == e and back.checksum == e.checksum
