@@ -1,0 +1,165 @@
+"""Certificates: what was checked, with which random draws, and the verdict.
+
+:func:`verify_equivalent` runs the finite-field test
+(:mod:`mirage_serve.verify.finite_field`) and, when that passes, the
+floating-point check (:mod:`mirage_serve.verify.float_check`); "equivalent"
+needs both. The certificate records everything needed to repeat the run (seed,
+trials, primes, ω per trial, redraws, float errors and tolerances, versions) and
+round-trips through :meth:`Certificate.to_dict` / :meth:`Certificate.from_dict`.
+Apart from ``elapsed_s`` it is a deterministic function of the two graphs, the
+arguments and the versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+import mirage_serve
+from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
+from mirage_serve.mugraph.serialize import content_hash
+from mirage_serve.verify import float_check as _float
+from mirage_serve.verify.finite_field import DEFAULT_TRIALS, FieldVerifier
+
+log = logging.getLogger(__name__)
+
+VERDICTS = ("equivalent", "not_equivalent", "unknown")
+METHOD_FIELD = "finite-field Z_p x Z_q (exp = omega^x mod p)"
+METHOD_FLOAT = "float check vs float64"
+
+
+def versions() -> dict[str, str]:
+    """Versions that a verdict depends on."""
+    return {"mirage_serve": mirage_serve.__version__, "torch": torch.__version__}
+
+
+@dataclass
+class Certificate:
+    """The record of one verification. ``verdict`` is one of :data:`VERDICTS`."""
+
+    verdict: str
+    reason: str
+    method: str
+    trials: int  # trials requested
+    seed: int
+    primes: list[int] = field(default_factory=list)  # one per completed trial
+    omegas: list[int] = field(default_factory=list)
+    redraws: int = 0
+    float_checks: list[_float.FloatReport] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=versions)
+    candidate_hash: str = ""
+    spec_hash: str = ""
+    elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
+
+    @property
+    def equivalent(self) -> bool:
+        return self.verdict == "equivalent"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the form cache entries store)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["primes"], d["omegas"] = list(self.primes), list(self.omegas)
+        d["float_checks"] = [r.to_dict() for r in self.float_checks]
+        d["versions"] = dict(self.versions)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Certificate:
+        """Inverse of :meth:`to_dict`. Strict: unknown or missing keys and wrong types
+        raise ValueError naming them (a certificate from another format is not guessed at)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a certificate is a JSON object, got {type(d).__name__}")
+        names = [f.name for f in fields(Certificate)]
+        unknown = sorted(set(d) - set(names))
+        missing = sorted(set(names) - set(d))
+        if unknown or missing:
+            raise ValueError(f"certificate keys do not match: unknown {unknown}, missing {missing}; re-verify to get a current certificate")
+        types = {"verdict": str, "reason": str, "method": str, "trials": int, "seed": int, "redraws": int,
+                 "candidate_hash": str, "spec_hash": str, "elapsed_s": (int, float), "primes": list, "omegas": list,
+                 "float_checks": list, "versions": dict}
+        for k, t in types.items():
+            if not isinstance(d[k], t) or (t is int and isinstance(d[k], bool)):
+                raise ValueError(f"certificate field {k!r} has type {type(d[k]).__name__}")
+        for k in ("primes", "omegas"):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in d[k]):
+                raise ValueError(f"certificate field {k!r} must be a list of integers")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in d["versions"].items()):
+            raise ValueError("certificate field 'versions' must map names to version strings")
+        return Certificate(
+            verdict=d["verdict"], reason=d["reason"], method=d["method"], trials=d["trials"], seed=d["seed"],
+            primes=list(d["primes"]), omegas=list(d["omegas"]), redraws=d["redraws"],
+            float_checks=[_float.FloatReport.from_dict(r) for r in d["float_checks"]],
+            versions=dict(d["versions"]), candidate_hash=d["candidate_hash"], spec_hash=d["spec_hash"],
+            elapsed_s=float(d["elapsed_s"]),
+        )
+
+    def summary(self) -> str:
+        """Human-readable lines: verdict, reason and what was drawn."""
+        lines = [f"verdict: {self.verdict}", f"reason:  {self.reason}", f"method:  {self.method}",
+                 f"trials:  {len(self.primes)} of {self.trials} completed (seed {self.seed}, {self.redraws} redraw(s))"]
+        for j, (p, w) in enumerate(zip(self.primes, self.omegas)):
+            lines.append(f"  trial {j + 1}: p={p}, q={(p - 1) // 2}, ω={w}")
+        for r in self.float_checks:
+            state = "pass" if r.passed else "FAIL"
+            lines.append(f"float {r.dtype}: rel error {r.rel_error:.3g} (tolerance {r.tolerance:g}), max abs {r.max_abs_error:.3g}, "
+                         f"input scale {r.scale:g}: {state}")
+        lines.append(f"versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}; {self.elapsed_s:.2f}s")
+        return "\n".join(lines)
+
+
+def verify_equivalent(
+    candidate: KernelGraph,
+    spec: KernelGraph,
+    *,
+    trials: int = DEFAULT_TRIALS,
+    seed: int = 0,
+    float_check: bool = True,
+    float_dtype: str | None = None,
+    run_candidate: _float.RunCandidate | None = None,
+    verifier: FieldVerifier | None = None,
+) -> Certificate:
+    """Decide whether ``candidate`` computes ``spec``; returns the certificate.
+
+    "equivalent" needs every finite-field trial to agree and (with ``float_check``)
+    the float check in ``float_dtype`` (default: the candidate's dtype) to pass;
+    a float failure after a finite-field pass is "not_equivalent" with the reason.
+    ``run_candidate`` runs a compiled kernel in the float check instead of the
+    reference executor. ``verifier`` reuses a :class:`FieldVerifier` for ``spec``
+    (and its cached spec evaluations) across many candidates."""
+    t0 = time.perf_counter()
+    method = METHOD_FIELD + (f" + {METHOD_FLOAT}" if float_check else "")
+    cert = Certificate("unknown", "", method, trials, seed)
+    try:
+        cert.candidate_hash, cert.spec_hash = content_hash(candidate), content_hash(spec)
+    except MuGraphError as e:
+        cert.verdict, cert.reason = "not_equivalent", f"not a valid μGraph: {e}"
+        cert.elapsed_s = time.perf_counter() - t0
+        return cert
+    if verifier is None:
+        verifier = FieldVerifier(spec, trials=trials, seed=seed)
+    elif verifier.spec is not spec and content_hash(verifier.spec) != cert.spec_hash:
+        raise ValueError("the verifier passed to verify_equivalent was built for another spec; build one with FieldVerifier(spec)")
+    elif (verifier.trials, verifier.seed) != (trials, seed):
+        raise ValueError(f"the verifier was built with trials={verifier.trials}, seed={verifier.seed}; pass the same to verify_equivalent")
+    res = verifier.check(candidate)
+    cert.primes, cert.omegas, cert.redraws = list(res.primes), list(res.omegas), res.redraws
+    cert.verdict, cert.reason = res.verdict, res.reason
+    if res.verdict == "equivalent" and float_check:
+        report = _float.float_check(candidate, spec, dtype=float_dtype, seed=seed, run_candidate=run_candidate)
+        cert.float_checks.append(report)
+        if not report.passed:
+            cert.verdict = "not_equivalent"
+            cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"
+        else:
+            cert.reason += f"; {report.dtype} float check passes (rel error {report.rel_error:.2g} <= {report.tolerance:g})"
+    cert.elapsed_s = time.perf_counter() - t0
+    log.info("verify: %s (%s) in %.2fs", cert.verdict, cert.reason, cert.elapsed_s)
+    return cert
