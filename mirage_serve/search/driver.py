@@ -1,0 +1,362 @@
+"""``superoptimize``: enumerate, prune, instantiate, verify and rank μGraphs.
+
+The search is breadth-first over the number of kernel operators. Each level
+is cut into independent tasks (pre-defined expansions of one prefix; one
+customized operator's block graphs for one set of input tensors and a chunk of
+input-map choices) that run on a process pool. Structurally complete graphs
+are instantiated at concrete sizes, ranked by :mod:`mirage_serve.search.cost`,
+and the best few instantiations of each structure go through
+``verify_equivalent``; only "equivalent" ones are returned, best first.
+
+Determinism: tasks and their results are processed in a fixed order and the
+returned candidates are sorted by (cost, content hash), so a search that
+completes within its budget returns the same candidates for the same spec and
+configuration. A search cut short by ``time_budget_s`` (``stats.complete`` is
+False) returns what it had verified by then, which depends on machine speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
+from mirage_serve.mugraph.serialize import content_hash
+from mirage_serve.search.config import SearchConfig
+from mirage_serve.search.cost import GraphCost, graph_cost
+from mirage_serve.search.enumerate import (
+    Budget,
+    Counters,
+    ExprEngine,
+    KernelState,
+    Vocabulary,
+    complete_graph,
+    customized_sources,
+    expand_customized,
+    expand_predefined,
+    instantiations,
+    map_choices,
+    prefix_graph,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidate:
+    """A verified μGraph: the graph, its certificate and its estimated cost (seconds)."""
+
+    graph: KernelGraph
+    certificate: Any
+    cost: float
+    cost_detail: GraphCost | None = None
+    hash: str = ""
+
+    @property
+    def num_kernels(self) -> int:
+        return sum(op.kind != "input" for op in self.graph.ops)
+
+
+@dataclass
+class SearchStats:
+    """Counts and timings of one search (times in seconds from its start)."""
+
+    enumerated: int = 0
+    pruned_abstract: int = 0
+    pruned_other: int = 0
+    block_nodes: int = 0
+    structures: int = 0
+    verified: int = 0  # verify_equivalent said "equivalent"
+    rejected: int = 0  # verify_equivalent said "not_equivalent" or "unknown"
+    time_to_first_s: float | None = None
+    time_to_best_s: float | None = None
+    elapsed_s: float = 0.0
+    complete: bool = True  # False when a time, node or state limit cut the search short
+    levels: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SearchResult:
+    """What :func:`superoptimize` found: verified candidates, best first, and statistics."""
+
+    candidates: list[Candidate] = field(default_factory=list)
+    stats: SearchStats = field(default_factory=SearchStats)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+# --------------------------------------------------------------------------- worker side
+
+_W: dict[str, Any] = {}
+
+
+def default_engine(spec: KernelGraph, prune: bool) -> ExprEngine:
+    """The abstract-expression engine of mirage_serve.search.abstract / prune."""
+    from mirage_serve.search import abstract
+    from mirage_serve.search import prune as prune_mod
+
+    return ExprEngine(abstract, prune_mod.SubexprOracle(spec), prune)
+
+
+def default_verifier(candidate: KernelGraph, spec: KernelGraph, *, trials: int, seed: int, float_check: bool):
+    from mirage_serve.verify import verify_equivalent
+
+    return verify_equivalent(candidate, spec, trials=trials, seed=seed, float_check=float_check)
+
+
+def _init_worker(spec, cfg, engine_factory, verifier, deadline, threads: int) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    _W.clear()
+    _W.update(spec=spec, cfg=cfg, engine=engine_factory(spec, cfg.prune), verifier=verifier, deadline=deadline,
+              vocab=Vocabulary.from_spec(spec), cache={})
+
+
+def _state_info(state: KernelState):
+    cache = _W["cache"]
+    hit = cache.get(state.ops)
+    if hit is None:
+        g = prefix_graph(state.ops)
+        hit = (list(g.info), _W["engine"].graph_exprs(g))
+        if len(cache) > 256:
+            cache.clear()
+        cache[state.ops] = hit
+    return hit
+
+
+def _run_task(task: tuple) -> dict[str, Any]:
+    """One unit of work; returns new prefixes, complete structures and counters."""
+    kind = task[0]
+    cfg: SearchConfig = _W["cfg"]
+    counters = Counters()
+    if kind == "verify":
+        graph = task[1]
+        try:
+            cert = _W["verifier"](graph, _W["spec"], trials=cfg.trials, seed=cfg.seed, float_check=cfg.float_check)
+        except Exception as e:  # a verifier failure must never let a candidate through
+            log.warning("verification of a candidate failed (%s: %s); treating it as not verified", type(e).__name__, e)
+            cert = None
+        return {"cert": cert}
+    state: KernelState = task[1]
+    infos, exprs = _state_info(state)
+    engine, vocab = _W["engine"], _W["vocab"]
+    budget = Budget(_W["deadline"], cfg.max_block_nodes)
+    if kind == "pre":
+        new = expand_predefined(state, infos, exprs, engine, vocab, counters)
+    else:
+        _, _, sources, choices = task
+        new = expand_customized(state, infos, exprs, sources, choices, engine, vocab, cfg, counters, budget)
+    n_out = len(_W["spec"].outputs)
+    states, structures = [], []
+    for st, ex in new:
+        g = complete_graph(st, ex, engine, n_out)
+        if g is None:
+            states.append(st)
+            continue
+        counters.structures += 1
+        structures.append(g)
+    return {"states": states, "structures": structures, "counters": counters}
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def _check_spec(spec: KernelGraph) -> None:
+    if not isinstance(spec, KernelGraph):
+        raise MuGraphError(f"superoptimize needs a KernelGraph spec (e.g. mirage_serve.specs.build_spec), got {type(spec).__name__}")
+    spec.validate()
+    if not spec.input_ids:
+        raise MuGraphError("the spec has no inputs; build it with GraphBuilder.input(...) first")
+    if any(op.kind == "customized" for op in spec.ops):
+        raise MuGraphError("the spec contains customized operators; give the reference program of pre-defined operators instead")
+
+
+def _state_key(state: KernelState) -> tuple[str, ...]:
+    g = prefix_graph(state.ops)
+    consumed = set()
+    for op in state.ops:
+        consumed.update(op.inputs)
+    dangling = [t for t, (i, _) in enumerate(g.tensor_producers) if state.ops[i].kind != "input" and t not in consumed]
+    return tuple(sorted(content_hash(KernelGraph(state.ops, (t,))) for t in dangling))
+
+
+class _Runner:
+    """Runs tasks in order on a pool (or inline with one job)."""
+
+    def __init__(self, spec, cfg: SearchConfig, engine_factory, verifier, deadline) -> None:
+        self.jobs = max(1, min(cfg.jobs, os.cpu_count() or 1))
+        args = (spec, cfg, engine_factory, verifier, deadline, 1 if self.jobs > 1 else max(1, os.cpu_count() or 1))
+        if self.jobs > 1:
+            self.pool = multiprocessing.get_context("fork").Pool(self.jobs, initializer=_init_worker, initargs=args)
+        else:
+            self.pool = None
+            _init_worker(*args)
+
+    def imap(self, tasks: list[tuple]):
+        if self.pool is None:
+            return map(_run_task, tasks)
+        return self.pool.imap(_run_task, tasks, chunksize=1)
+
+    def close(self, terminate: bool = False) -> None:
+        if self.pool is not None:
+            if terminate:
+                self.pool.terminate()
+            else:
+                self.pool.close()
+            self.pool.join()
+
+
+def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engine_factory=None, verifier=None) -> SearchResult:
+    """Search for verified μGraphs computing the same function as ``spec``.
+
+    ``engine_factory(spec, prune) -> ExprEngine`` and ``verifier(candidate,
+    spec, trials=, seed=, float_check=) -> Certificate`` default to the
+    project's abstract expressions and ``verify_equivalent``. Returns the
+    candidates whose certificate verdict is "equivalent", cheapest first."""
+    cfg = config or SearchConfig()
+    _check_spec(spec)
+    engine_factory = engine_factory or default_engine
+    verifier = verifier or default_verifier
+    start = time.monotonic()
+    deadline = start + cfg.time_budget_s if cfg.time_budget_s else None
+    stats = SearchStats()
+    counters = Counters()
+    found: dict[str, Candidate] = {}
+    seen_structures: set[str] = set()
+    best_hash: str | None = None
+
+    def over() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    runner = _Runner(spec, cfg, engine_factory, verifier, deadline)
+    terminated = False
+    try:
+        # main-process view of prefixes (infos only) for planning tasks
+        states = [KernelState(tuple(op for op in spec.ops if op.kind == "input"))]
+        for level in range(1, cfg.max_kernel_ops + 1):
+            if over() or not states:
+                break
+            stats.levels = level
+            tasks = _plan_level(states, cfg, counters)
+            bar = tqdm(total=len(tasks), desc=f"search level {level}", disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
+            next_states: list[KernelState] = []
+            next_keys: set[tuple[str, ...]] = set()
+            structures: list[KernelGraph] = []
+            for res in runner.imap(tasks):
+                counters.add(res["counters"])
+                for g in res["structures"]:
+                    h = content_hash(g)
+                    if h not in seen_structures:
+                        seen_structures.add(h)
+                        structures.append(g)
+                if level < cfg.max_kernel_ops:
+                    for st in res["states"]:
+                        if len(next_states) >= cfg.max_states:
+                            counters.truncated = True
+                            break
+                        k = _state_key(st)
+                        if k not in next_keys:
+                            next_keys.add(k)
+                            next_states.append(st)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
+                                    structures=len(seen_structures), verified=len(found))
+                if over():
+                    counters.truncated = True
+                    terminated = True
+                    break
+            if bar is not None:
+                bar.close()
+            log.info("level %d: %d tasks, %d structures, %d prefixes kept", level, len(tasks), len(structures), len(next_states))
+            best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
+            if terminated or over():
+                counters.truncated = True
+                terminated = True
+                break
+            states = next_states
+    finally:
+        runner.close(terminate=terminated)
+    cands = sorted(found.values(), key=lambda c: (c.cost, c.hash))[: cfg.max_candidates]
+    stats.enumerated, stats.pruned_abstract, stats.pruned_other = counters.enumerated, counters.pruned_abstract, counters.pruned_other
+    stats.block_nodes, stats.structures = counters.block_nodes, counters.structures
+    stats.complete = not counters.truncated and not terminated
+    stats.elapsed_s = time.monotonic() - start
+    log.info("search done: %d verified candidates in %.1fs (%d enumerated, %d pruned by abstract expressions, %d by other rules)",
+             len(cands), stats.elapsed_s, stats.enumerated, stats.pruned_abstract, stats.pruned_other)
+    return SearchResult(cands, stats)
+
+
+def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters) -> list[tuple]:
+    tasks: list[tuple] = []
+    for st in states:
+        tasks.append(("pre", st))
+        if st.num_customized >= cfg.max_customized:
+            continue
+        infos = list(prefix_graph(st.ops).info)
+        for sources in customized_sources(st, infos, cfg.max_block_inputs):
+            choices = map_choices([infos[s] for s in sources], cfg.max_grid_dims, counters)
+            if not choices:
+                continue
+            per = max(1, -(-len(choices) // (4 * max(1, cfg.jobs))))
+            for i in range(0, len(choices), per):
+                tasks.append(("blk", st, sources, choices[i : i + per]))
+    return tasks
+
+
+def _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash):
+    """Instantiate each structure, verify its best few instantiations (cheapest
+    structures first) and record the equivalent ones."""
+    todo: list[tuple[float, str, KernelGraph]] = []
+    for g in structures:
+        inst = instantiations(g, cfg, counters)
+        kept = 0
+        for cost_s, ig in inst:
+            h = content_hash(ig)
+            if h in found or any(h == t[1] for t in todo):
+                continue
+            todo.append((cost_s, h, ig))
+            kept += 1
+            if kept >= cfg.instantiations_per_structure:
+                break
+    todo.sort(key=lambda t: (t[0], t[1]))
+    if not todo or over():
+        if todo:
+            counters.truncated = True
+        return best_hash
+    for (cost_s, h, ig), res in zip(todo, runner.imap([("verify", t[2]) for t in todo]), strict=False):
+        cert = res["cert"]
+        if getattr(cert, "verdict", None) == "equivalent":
+            stats.verified += 1
+            now = time.monotonic() - start
+            if stats.time_to_first_s is None:
+                stats.time_to_first_s = now
+            found[h] = Candidate(ig, cert, cost_s, graph_cost(ig, cfg.target), h)
+            cur_best = min(found.values(), key=lambda c: (c.cost, c.hash)).hash
+            if cur_best != best_hash:
+                best_hash = cur_best
+                stats.time_to_best_s = now
+        else:
+            stats.rejected += 1
+            log.debug("rejected (%s): %s", getattr(cert, "verdict", cert), h[:12])
+        if over():
+            counters.truncated = True
+            break
+    return best_hash
