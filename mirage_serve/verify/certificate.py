@@ -115,6 +115,56 @@ class Certificate:
         return "\n".join(lines)
 
 
+class Verifier:
+    """Verifies candidates against one spec, reusing the spec's evaluations
+    (finite-field trials and float references) across candidates."""
+
+    def __init__(self, spec: KernelGraph, *, trials: int = DEFAULT_TRIALS, seed: int = 0) -> None:
+        self.spec = spec
+        self.trials = trials
+        self.seed = seed
+        self.spec_hash = content_hash(spec)
+        self.field = FieldVerifier(spec, trials=trials, seed=seed)
+        self._float_refs: dict[str, _float.FloatReference] = {}
+
+    def verify(
+        self,
+        candidate: KernelGraph,
+        *,
+        float_check: bool = True,
+        float_dtype: str | None = None,
+        run_candidate: _float.RunCandidate | None = None,
+    ) -> Certificate:
+        """See :func:`verify_equivalent`."""
+        t0 = time.perf_counter()
+        method = METHOD_FIELD + (f" + {METHOD_FLOAT}" if float_check else "")
+        cert = Certificate("unknown", "", method, self.trials, self.seed, spec_hash=self.spec_hash)
+        try:
+            cert.candidate_hash = content_hash(candidate)
+        except MuGraphError as e:
+            cert.verdict, cert.reason = "not_equivalent", f"candidate is not a valid μGraph: {e}"
+            cert.elapsed_s = time.perf_counter() - t0
+            return cert
+        res = self.field.check(candidate)
+        cert.primes, cert.omegas, cert.redraws = list(res.primes), list(res.omegas), res.redraws
+        cert.verdict, cert.reason = res.verdict, res.reason
+        if res.verdict == "equivalent" and float_check:
+            dtype = float_dtype or _float.graph_dtype(candidate)
+            if dtype not in self._float_refs:
+                self._float_refs[dtype] = _float.float_reference(self.spec, dtype=dtype, seed=self.seed)
+            report = _float.float_check(candidate, self.spec, dtype=dtype, seed=self.seed, run_candidate=run_candidate,
+                                        reference=self._float_refs[dtype])
+            cert.float_checks.append(report)
+            if not report.passed:
+                cert.verdict = "not_equivalent"
+                cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"
+            else:
+                cert.reason += f"; {report.dtype} float check passes (rel error {report.rel_error:.2g} <= {report.tolerance:g})"
+        cert.elapsed_s = time.perf_counter() - t0
+        log.info("verify: %s (%s) in %.2fs", cert.verdict, cert.reason, cert.elapsed_s)
+        return cert
+
+
 def verify_equivalent(
     candidate: KernelGraph,
     spec: KernelGraph,
@@ -124,7 +174,6 @@ def verify_equivalent(
     float_check: bool = True,
     float_dtype: str | None = None,
     run_candidate: _float.RunCandidate | None = None,
-    verifier: FieldVerifier | None = None,
 ) -> Certificate:
     """Decide whether ``candidate`` computes ``spec``; returns the certificate.
 
@@ -132,34 +181,8 @@ def verify_equivalent(
     the float check in ``float_dtype`` (default: the candidate's dtype) to pass;
     a float failure after a finite-field pass is "not_equivalent" with the reason.
     ``run_candidate`` runs a compiled kernel in the float check instead of the
-    reference executor. ``verifier`` reuses a :class:`FieldVerifier` for ``spec``
-    (and its cached spec evaluations) across many candidates."""
-    t0 = time.perf_counter()
-    method = METHOD_FIELD + (f" + {METHOD_FLOAT}" if float_check else "")
-    cert = Certificate("unknown", "", method, trials, seed)
-    try:
-        cert.candidate_hash, cert.spec_hash = content_hash(candidate), content_hash(spec)
-    except MuGraphError as e:
-        cert.verdict, cert.reason = "not_equivalent", f"not a valid μGraph: {e}"
-        cert.elapsed_s = time.perf_counter() - t0
-        return cert
-    if verifier is None:
-        verifier = FieldVerifier(spec, trials=trials, seed=seed)
-    elif verifier.spec is not spec and content_hash(verifier.spec) != cert.spec_hash:
-        raise ValueError("the verifier passed to verify_equivalent was built for another spec; build one with FieldVerifier(spec)")
-    elif (verifier.trials, verifier.seed) != (trials, seed):
-        raise ValueError(f"the verifier was built with trials={verifier.trials}, seed={verifier.seed}; pass the same to verify_equivalent")
-    res = verifier.check(candidate)
-    cert.primes, cert.omegas, cert.redraws = list(res.primes), list(res.omegas), res.redraws
-    cert.verdict, cert.reason = res.verdict, res.reason
-    if res.verdict == "equivalent" and float_check:
-        report = _float.float_check(candidate, spec, dtype=float_dtype, seed=seed, run_candidate=run_candidate)
-        cert.float_checks.append(report)
-        if not report.passed:
-            cert.verdict = "not_equivalent"
-            cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"
-        else:
-            cert.reason += f"; {report.dtype} float check passes (rel error {report.rel_error:.2g} <= {report.tolerance:g})"
-    cert.elapsed_s = time.perf_counter() - t0
-    log.info("verify: %s (%s) in %.2fs", cert.verdict, cert.reason, cert.elapsed_s)
-    return cert
+    reference executor. To check many candidates against one spec, build a
+    :class:`Verifier` once and call its ``verify``."""
+    return Verifier(spec, trials=trials, seed=seed).verify(
+        candidate, float_check=float_check, float_dtype=float_dtype, run_candidate=run_candidate
+    )

@@ -181,8 +181,8 @@ class TrialContext:
     def constant(self, v: float) -> tuple[int, int]:
         """Field image (mod p, mod q) of a float constant.
 
-        Small dyadic rationals a/2^k (|a| < 2^16, k <= 30, which covers 0, ±1, 2,
-        0.5, 1/4096, ...) and reciprocals 1/n of integers n < 2^16 map to their exact
+        Small dyadic rationals a·2^k (odd |a| < 2^16, |k| <= 30: 0, ±1, 2, 0.5,
+        1/4096, 2^24, ...) and reciprocals 1/n of integers n < 2^16 map to their exact
         image, so ``x*1 = x``, ``x+0 = x``, ``x*2 = x+x`` and ``sum * (1/n) = mean``
         hold; every other value maps to a random element keyed by its exact bits."""
         v = float(v)
@@ -203,11 +203,17 @@ class TrialContext:
 
 
 def _exact_rational(v: float) -> tuple[int, int] | None:
+    """(numerator, denominator) for v = a·2^k with odd |a| < 2^16 and |k| <= 30, or
+    v = 1/n for an integer 1 <= |n| < 2^16; None for every other float."""
     if v == 0.0:
         return 0, 1
-    num, den = v.as_integer_ratio()  # den is a power of two
-    if abs(num) < SMALL_INT and den <= (1 << 30):
-        return num, den
+    a, den = v.as_integer_ratio()  # lowest terms, den a power of two
+    k = -(den.bit_length() - 1)
+    while a % 2 == 0:
+        a //= 2
+        k += 1
+    if abs(a) < SMALL_INT and abs(k) <= 30:
+        return (a << k, 1) if k >= 0 else (a, 1 << -k)
     n = round(1.0 / v)
     if 1 <= abs(n) < SMALL_INT and 1.0 / n == v:
         return (1, n) if n > 0 else (-1, -n)

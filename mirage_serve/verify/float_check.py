@@ -182,6 +182,27 @@ def choose_scale(spec: KernelGraph, seed: int, dtype: str) -> float:
     return scale
 
 
+@dataclass
+class FloatReference:
+    """The spec's float64 outputs on one draw of inputs (reusable across candidates)."""
+
+    dtype: str
+    seed: int
+    scale: float
+    inputs: list[torch.Tensor]  # rounded to dtype
+    outputs: list[torch.Tensor]  # float64
+
+
+def float_reference(spec: KernelGraph, *, dtype: str, seed: int = 0, scale: float | None = None) -> FloatReference:
+    """Draw inputs (choosing the scale unless given) and run the spec in float64 on them."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"float check dtype {dtype!r} is not supported; use one of {sorted(TOLERANCES)}")
+    if scale is None:
+        scale = choose_scale(spec, seed, dtype)
+    ins = float_inputs(spec, seed, scale, dtype)
+    return FloatReference(dtype, seed, scale, ins, execute(spec, [x.to(torch.float64) for x in ins]))
+
+
 def float_check(
     candidate: KernelGraph,
     spec: KernelGraph,
@@ -192,13 +213,15 @@ def float_check(
     run_candidate: RunCandidate | None = None,
     scale: float | None = None,
     tolerance: float | None = None,
+    reference: FloatReference | None = None,
 ) -> FloatReport:
     """Compare the candidate in ``dtype`` (default: its declared dtype) with the spec in float64.
 
     ``outputs``: indices of the outputs to compare (default: all). ``run_candidate``:
     runs the candidate instead of the reference executor, e.g. a compiled kernel;
     it gets the inputs in their declared dtypes (rounded from the same draw) and
-    returns the outputs in order. Never raises for a bad candidate: a failure is
+    returns the outputs in order. ``reference``: a :func:`float_reference` of this
+    spec, dtype and seed to reuse. Never raises for a bad candidate: a failure is
     a report with ``passed=False`` and a reason."""
     dtype = dtype or graph_dtype(candidate)
     if dtype not in TOLERANCES:
@@ -207,16 +230,15 @@ def float_check(
     mismatch = signature_mismatch(candidate, spec)
     if mismatch:
         return FloatReport(dtype, seed, 0.0 if scale is None else scale, math.inf, math.inf, tol, False, mismatch)
-    if scale is None:
-        scale = choose_scale(spec, seed, dtype)
+    if reference is None or (reference.dtype, reference.seed) != (dtype, seed) or (scale is not None and scale != reference.scale):
+        reference = float_reference(spec, dtype=dtype, seed=seed, scale=scale)
+    scale, ins, ref = reference.scale, reference.inputs, reference.outputs
 
     def report(max_abs: float, rel: float, passed: bool, reason: str) -> FloatReport:
         r = FloatReport(dtype, seed, scale, max_abs, rel, tol, passed, reason)
         log.info("float check %s: rel %.3g (tol %.3g), max abs %.3g: %s", dtype, rel, tol, max_abs, "pass" if passed else f"FAIL ({reason})")
         return r
 
-    ins = float_inputs(spec, seed, scale, dtype)
-    ref = execute(spec, [x.to(torch.float64) for x in ins])
     try:
         if run_candidate is not None:
             declared = [x.to(TORCH_DTYPES[candidate.info[t].dtype]) for x, t in zip(ins, candidate.input_ids)]
