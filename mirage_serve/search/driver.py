@@ -107,10 +107,20 @@ def default_engine(spec: KernelGraph, prune: bool) -> ExprEngine:
     return ExprEngine(abstract, prune_mod.SubexprOracle(spec), prune)
 
 
-def default_verifier(candidate: KernelGraph, spec: KernelGraph, *, trials: int, seed: int, float_check: bool):
-    from mirage_serve.verify import verify_equivalent
+_VERIFIERS: dict[tuple[str, int, int], Any] = {}
 
-    return verify_equivalent(candidate, spec, trials=trials, seed=seed, float_check=float_check)
+
+def default_verifier(candidate: KernelGraph, spec: KernelGraph, *, trials: int, seed: int, float_check: bool):
+    """``verify_equivalent`` through a per-process :class:`mirage_serve.verify.Verifier`,
+    which computes the spec's trials once and reuses them for every candidate."""
+    from mirage_serve.verify import Verifier
+
+    key = (content_hash(spec), trials, seed)
+    v = _VERIFIERS.get(key)
+    if v is None:
+        _VERIFIERS.clear()
+        v = _VERIFIERS[key] = Verifier(spec, trials=trials, seed=seed)
+    return v.verify(candidate, float_check=float_check)
 
 
 def _init_worker(spec, cfg, engine_factory, verifier, deadline, threads: int) -> None:
@@ -259,34 +269,41 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
             next_states: list[KernelState] = []
             next_keys: set[tuple[str, ...]] = set()
             structures: list[KernelGraph] = []
-            for res in runner.imap(tasks):
-                counters.add(res["counters"])
-                for g in res["structures"]:
-                    h = content_hash(g)
-                    if h not in seen_structures:
-                        seen_structures.add(h)
-                        structures.append(g)
-                if level < cfg.max_kernel_ops:
-                    for st in res["states"]:
-                        if len(next_states) >= cfg.max_states:
-                            counters.truncated = True
-                            break
-                        k = _state_key(st)
-                        if k not in next_keys:
-                            next_keys.add(k)
-                            next_states.append(st)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
-                                    structures=len(seen_structures), verified=len(found))
+            wave = max(4, 8 * runner.jobs)
+            for w0 in range(0, len(tasks), wave):
+                for res in runner.imap(tasks[w0 : w0 + wave]):
+                    counters.add(res["counters"])
+                    for g in res["structures"]:
+                        h = content_hash(g)
+                        if h not in seen_structures:
+                            seen_structures.add(h)
+                            structures.append(g)
+                    if level < cfg.max_kernel_ops:
+                        for st in res["states"]:
+                            if len(next_states) >= cfg.max_states:
+                                counters.truncated = True
+                                break
+                            k = _state_key(st)
+                            if k not in next_keys:
+                                next_keys.add(k)
+                                next_states.append(st)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
+                                        structures=len(seen_structures), verified=len(found))
+                    if over():
+                        break
+                # verify what this wave completed before enumerating further: early first results
+                best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
+                structures = []
                 if over():
                     counters.truncated = True
                     terminated = True
                     break
             if bar is not None:
                 bar.close()
-            log.info("level %d: %d tasks, %d structures, %d prefixes kept", level, len(tasks), len(structures), len(next_states))
-            best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
+            log.info("level %d: %d tasks, %d structures so far, %d prefixes kept, %d verified", level, len(tasks),
+                     len(seen_structures), len(next_states), len(found))
             if terminated or over():
                 counters.truncated = True
                 terminated = True

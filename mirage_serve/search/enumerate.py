@@ -489,46 +489,56 @@ def _op_key(op: Op) -> tuple:
     return (max(op.inputs), op.inputs, op.kind, tuple((k, repr(v)) for k, v in op.attrs))
 
 
-def _block_candidates(st: _BlockState, vocab: Vocabulary) -> Iterator[Op]:
+def _block_candidates(st: _BlockState, vocab: Vocabulary, lo: int) -> Iterator[Op]:
+    """Tile operators and accumulators over the current tiles whose largest input
+    id is at least ``lo`` (anything else breaks the canonical order)."""
     n = len(st.infos)
-    ids = range(n)
-    for t in ids:
+    infos = st.infos
+    for t in range(lo, n):
         for fn, s in vocab.unary_ops():
             yield Op.make("unary", (t,), fn=fn, scalar=s)
-    for a in ids:
-        for b in ids:
+    for a in range(n):
+        for b in range(n) if a >= lo else range(lo, n):
+            pa, pb = infos[a].phase, infos[b].phase
+            if {pa, pb} == {"loop", "post"}:
+                continue
             for fn in BINARY_FNS:
                 if (fn in ("add", "mul") and a > b) or (fn in ("sub", "div") and a == b):
                     continue
                 yield Op.make("binary", (a, b), fn=fn)
-            if len(st.infos[a].shape) >= 2 and len(st.infos[b].shape) >= 2:
+            ra, rb = len(infos[a].shape), len(infos[b].shape)
+            if ra >= 2 and ra == rb:
                 yield Op.make("matmul", (a, b))
                 yield Op.make("matmul", (a, b), trans_b=True)
-            if a != b:
-                for d in range(len(st.infos[a].shape)):
+            if a != b and ra == rb:
+                for d in range(ra):
                     yield Op.make("concat", (a, b), dim=d)
-    for t in ids:
-        rank = len(st.infos[t].shape)
-        for fn in REDUCE_FNS:
-            for d in range(rank):
-                yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
-                if rank > 1:
-                    yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
-        for e in vocab.eps:
-            yield Op.make("rms_norm", (t,), eps=e)
-            for w in ids:
-                if w != t:
-                    yield Op.make("rms_norm", (t, w), eps=e)
-        for s in vocab.sum_to_sizes:
-            yield Op.make("sum_to", (t,), size=s)
-        if st.infos[t].phase == "loop":
-            for fn in ("sum", "sum_last", "mean_sq_last", "rms_last", "max_last"):
-                yield Op.make("accum", (t,), fn=fn)
+    for t in range(n):
+        rank = len(infos[t].shape)
+        if t >= lo:
+            for fn in REDUCE_FNS:
+                for d in range(rank):
+                    yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
+                    if rank > 1:
+                        yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
+            for e in vocab.eps:
+                yield Op.make("rms_norm", (t,), eps=e)
             for s in vocab.sum_to_sizes:
-                yield Op.make("accum", (t,), fn="sum_to", size=s)
+                yield Op.make("sum_to", (t,), size=s)
+        for e in vocab.eps:
+            for w in range(n):
+                if w != t and max(w, t) >= lo and len(infos[w].shape) == rank:
+                    yield Op.make("rms_norm", (t, w), eps=e)
+        if infos[t].phase == "loop":
+            if t >= lo:
+                for fn in ("sum", "sum_last", "mean_sq_last", "rms_last", "max_last"):
+                    yield Op.make("accum", (t,), fn=fn)
+                for s in vocab.sum_to_sizes:
+                    yield Op.make("accum", (t,), fn="sum_to", size=s)
             for m in st.max_ids:
-                yield Op.make("accum", (t, m), fn="rescaled_sum")
-                yield Op.make("accum", (t, m), fn="rescaled_sum_last")
+                if max(t, m) >= lo:
+                    yield Op.make("accum", (t, m), fn="rescaled_sum")
+                    yield Op.make("accum", (t, m), fn="rescaled_sum_last")
 
 
 def _weight_fits(op: Op, ins: list[TensorInfo]) -> bool:
@@ -655,7 +665,7 @@ def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
         return
     n = len(st.infos)
     prev = st.keys[-1] if st.keys else None
-    for op in _block_candidates(st, ctx.vocab):
+    for op in _block_candidates(st, ctx.vocab, prev[0] if prev is not None else 0):
         counters.enumerated += 1
         key = _op_key(op)
         if prev is not None and (n - 1) not in op.inputs and key <= prev:
@@ -996,3 +1006,63 @@ def ops_kind_of(state: KernelState, tensor: int) -> str:
             return op.kind
         t += op.num_outputs
     raise MuGraphError(f"tensor {tensor} is not produced by the prefix")
+
+
+# --------------------------------------------------------------------------- structure checks
+
+
+def canonical_block_order(block: BlockGraph) -> BlockGraph:
+    """The same block graph with its operators in canonical order (greedy:
+    the ready operator of smallest key first), tensors renumbered."""
+    n_in = len(block.inputs)
+    new_id = {j: j for j in range(n_in)}
+    placed: list[Op] = []
+    remaining = list(range(len(block.ops)))
+    while remaining:
+        ready = []
+        for i in remaining:
+            op = block.ops[i]
+            if all(t in new_id for t in op.inputs):
+                ready.append((_op_key(Op(op.kind, tuple(new_id[t] for t in op.inputs), op.attrs)), i))
+        _, i = min(ready)
+        op = block.ops[i]
+        placed.append(Op(op.kind, tuple(new_id[t] for t in op.inputs), op.attrs))
+        new_id[n_in + i] = n_in + len(placed) - 1
+        remaining.remove(i)
+    outs = tuple(BlockOutput(new_id[o.tensor], o.output_map) for o in block.outputs)
+    return BlockGraph(block.grid, block.forloop_range, block.inputs, tuple(placed), outs)
+
+
+def block_rejection(block: BlockGraph, arg_infos: list[TensorInfo]) -> str | None:
+    """Why the enumeration would never generate ``block`` (its operators in the
+    given order, at these sizes), or None if it lies in the search space."""
+    rank = len(block.grid)
+    infos, tags = [], []
+    for bi in block.inputs:
+        shape = tile_shape_of_input(arg_infos[bi.source].shape, block.grid, bi.input_map, bi.forloop_dim, block.forloop_range, "tile")
+        infos.append(TensorInfo(shape, arg_infos[bi.source].dtype, "invariant" if bi.forloop_dim == -1 else "loop"))
+        tags.append(Tags(tuple(frozenset({f"g{g}" for g in range(rank) if bi.input_map[g] == d} | ({LOOP} if bi.forloop_dim == d else set()))
+                               for d in range(len(shape)))))
+    st = _BlockState(infos, tags, [None] * len(infos), [], [0] * len(infos))
+    for i, op in enumerate(block.ops):
+        key = _op_key(op)
+        n = len(st.infos)
+        if st.keys and (n - 1) not in op.inputs and key <= st.keys[-1]:
+            return f"op {i} ({op.describe()}) breaks the canonical order"
+        if max(op.inputs) < (st.keys[-1][0] if st.keys else 0):
+            return f"op {i} ({op.describe()}) is not generated after the previous operator"
+        res = _try_block_op(st, op)
+        if res is None:
+            return f"op {i} ({op.describe()}) is rejected by the shape, phase or partition rules"
+        st.infos.append(res[0])
+        st.tags.append(res[1])
+        st.keys.append(key)
+        if op.kind == "accum" and op.attr("fn") == "max_last":
+            st.max_ids.append(n)
+    for o in block.outputs:
+        m = output_map_of(st.tags[o.tensor], rank)
+        if m is None:
+            return f"output tile {o.tensor} is replicated over a grid dim"
+        if m != tuple(o.output_map):
+            return f"output tile {o.tensor}: the partition rules give output map {m}, the graph has {o.output_map}"
+    return None
