@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
 DEFAULT_TIME_BUDGET_S = 60.0
 BUCKETED_DIMS = ("batch", "kv_len")
+VERIFY_MEMORY_FACTOR = 4
 MAX_SEEDS = 4  # verified structures of one bucket tried at the next buckets of the same family
 
 
@@ -197,6 +198,7 @@ class BuildOptions:
     trials: int = 3
     seed: int = 0
     max_candidates: int = 8  # best candidates (by the search's own cost) carried into ranking
+    seeded_verified: int = 1  # verified re-instantiations wanted per seeded bucket (the cost-model best first)
 
 
 def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
@@ -252,6 +254,26 @@ def cached_result(item: WorkItem, entry: Any, key: Any, seconds: float) -> ItemR
                       graphs=[entry.graph])
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def verify_memory_bytes(spec: Any) -> int:
+    """Rough peak memory of verifying against ``spec`` on CPU: the verifier evaluates both graphs in
+    float64 and over Z_p in int64, and peaked at ~4x the inputs' float64 size when measured
+    (attention_decode b=16, kv_len=16384: 17.6 GB RSS for 4.3 GB of K and V)."""
+    elements = sum(math.prod(spec.info[t].shape) for t in spec.input_ids)
+    return VERIFY_MEMORY_FACTOR * 8 * elements
+
+
 def family_of(subgraph: Any) -> tuple:
     """Subgraphs that differ only in their bucketed dims (batch, kv_len): one structure may serve them all."""
     dims = tuple(sorted((k, v) for k, v in subgraph.dims.items() if k not in BUCKETED_DIMS))
@@ -285,30 +307,36 @@ def reinstantiate(graph: Any, spec: Any, config: Any) -> list[Any]:
     return [g for _, g in found[: config.instantiations_per_structure]]
 
 
-def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions) -> tuple[list[Found], dict[str, Any]]:
+def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str) -> tuple[list[Found], dict[str, Any]]:
     """Verified μGraphs for ``spec`` from the structures verified at another bucket.
 
-    Every re-instantiated graph is verified afresh against this bucket's spec; a certificate is
-    never carried over from another shape.
+    The re-instantiated graphs are ranked first (cheap: the cost model, or the GPU), then verified
+    in that order against this bucket's spec until ``opts.seeded_verified`` pass — verification at
+    full shapes is the expensive step. A certificate is never carried over from another shape.
     """
     from mirage_serve.mugraph.serialize import content_hash
 
     (verify_equivalent,) = _require("verify", "mirage_serve.verify", "verify_equivalent")
-    tried: set[str] = set()
-    out: list[Found] = []
-    rejected = 0
+    (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")
+    graphs: dict[str, Any] = {}
     for seed_graph in seeds:
         for g in reinstantiate(seed_graph, spec, config):
-            h = content_hash(g)
-            if h in tried:
-                continue
-            tried.add(h)
-            cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
-            if _verdict(cert) == "equivalent":
-                out.append(Found(g, cert, "seeded"))
-            else:
-                rejected += 1
-    return out, {"seeds": len(seeds), "instantiated": len(tried), "verified": len(out), "rejected": rejected}
+            graphs.setdefault(content_hash(g), g)
+    stats = {"seeds": len(seeds), "instantiated": len(graphs), "verified": 0, "rejected": 0}
+    if not graphs:
+        return [], stats
+    order = [r.graph for r in rank_candidates(list(graphs.values()), device="cpu", spec=spec)] if device == "cpu" else list(graphs.values())
+    out: list[Found] = []
+    for g in order:
+        cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
+        if _verdict(cert) == "equivalent":
+            out.append(Found(g, cert, "seeded"))
+            if len(out) >= opts.seeded_verified:
+                break
+        else:
+            stats["rejected"] += 1
+    stats["verified"] = len(out)
+    return out, stats
 
 
 def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[list[Found], dict[str, Any]]:
@@ -347,6 +375,11 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
             if entry is not None:
                 return cached_result(item, entry, key, time.perf_counter() - t0)
         spec = sg.build_spec()
+        need, have = verify_memory_bytes(spec), available_memory_bytes()
+        if have is not None and need > have:
+            raise StepError("verify", f"verifying at these shapes needs about {need / 2**30:.0f} GiB of memory and "
+                                      f"{have / 2**30:.0f} GiB is available; build this bucket on a larger machine "
+                                      "or leave it out (--batch-sizes / --kv-lens)")
         (search_config,) = _require("search", "mirage_serve.search", "SearchConfig")
         config = search_config(time_budget_s=opts.time_budget_s, jobs=opts.jobs, trials=opts.trials, seed=opts.seed, progress=False)
 
@@ -354,7 +387,7 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         found: list[Found] = []
         details: dict[str, Any] = {}
         if seeds:
-            found, details["seeded"] = seeded_candidates(seeds, spec, config, opts)
+            found, details["seeded"] = seeded_candidates(seeds, spec, config, opts, "cuda" if arch != "unprofiled" else "cpu")
         if not found:
             found, details["search"] = searched_candidates(spec, config, opts)
 
@@ -506,7 +539,9 @@ def run(args: argparse.Namespace) -> int:
                 r.message = f"cache not checked ({cache_error})"
             results.append(r)
     else:
-        opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild)
+        # on a GPU several verified seeds are worth profiling; on CPU the cost model's best is the one kept anyway
+        opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild,
+                            seeded_verified=3 if arch != "unprofiled" else 1)
         seeds: dict[tuple, list[Any]] = {}
         from tqdm import tqdm
 
