@@ -148,7 +148,9 @@ class Verifier:
         res = self.field.check(candidate)
         cert.primes, cert.omegas, cert.redraws = list(res.primes), list(res.omegas), res.redraws
         cert.verdict, cert.reason = res.verdict, res.reason
-        if res.verdict == "equivalent" and float_check:
+        # A float failure is a concrete counterexample, so it also settles pairs the finite-field
+        # model cannot decide ("unknown"); a float pass never turns "unknown" into "equivalent".
+        if res.verdict in ("equivalent", "unknown") and float_check:
             dtype = float_dtype or _float.graph_dtype(candidate)
             if dtype not in self._float_refs:
                 self._float_refs[dtype] = _float.float_reference(self.spec, dtype=dtype, seed=self.seed)
@@ -157,9 +159,14 @@ class Verifier:
             cert.float_checks.append(report)
             if not report.passed:
                 cert.verdict = "not_equivalent"
-                cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"
-            else:
+                if res.verdict == "equivalent":
+                    cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"
+                else:
+                    cert.reason = f"the float check fails: {report.reason} (finite field undecided: {res.reason})"
+            elif res.verdict == "equivalent":
                 cert.reason += f"; {report.dtype} float check passes (rel error {report.rel_error:.2g} <= {report.tolerance:g})"
+            else:
+                cert.reason += f"; the {report.dtype} float check passes, which does not decide the pair"
         cert.elapsed_s = time.perf_counter() - t0
         log.info("verify: %s (%s) in %.2fs", cert.verdict, cert.reason, cert.elapsed_s)
         return cert
@@ -179,7 +186,9 @@ def verify_equivalent(
 
     "equivalent" needs every finite-field trial to agree and (with ``float_check``)
     the float check in ``float_dtype`` (default: the candidate's dtype) to pass;
-    a float failure after a finite-field pass is "not_equivalent" with the reason.
+    a float failure after a finite-field pass is "not_equivalent" with the reason,
+    and so is a float failure where the finite field could not decide ("unknown"
+    otherwise stays "unknown").
     ``run_candidate`` runs a compiled kernel in the float check instead of the
     reference executor. To check many candidates against one spec, build a
     :class:`Verifier` once and call its ``verify``."""
