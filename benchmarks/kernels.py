@@ -99,6 +99,8 @@ def plan(specs: list[str] | None = None, labels: list[str] | None = None, wide: 
         c.max_autotune = {"none": False, "all": c.spec in CONTENDERS["compile_max_graph"], "some": c.max_autotune}[max_autotune]
         c.variants = V.variants_for(c.spec, c.dims, DTYPE, wide)
         out.append(c)
+    if specs:  # run in the order asked for
+        out.sort(key=lambda c: specs.index(c.spec))
     return out
 
 
@@ -404,6 +406,18 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _codegen_digest() -> str:
+    """Digest of mirage_serve/codegen/*.py as run (it may be ahead of any commit)."""
+    import hashlib
+
+    import mirage_serve.codegen as cg
+
+    h = hashlib.sha256()
+    for f in sorted(Path(cg.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def environment(copy_bw: float) -> dict[str, Any]:
     import torch
     import triton
@@ -420,6 +434,7 @@ def environment(copy_bw: float) -> dict[str, Any]:
         "torch": torch.__version__, "triton": triton.__version__, "transformers": tv, "cuda": torch.version.cuda,
         "python": platform.python_version(), "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M"),
         "copy_bandwidth_tb_s": round(copy_bw / 1e12, 3), "dtype": DTYPE, "mugraph_source": V.MUGRAPH_SOURCE,
+        "codegen_sources_sha256": _codegen_digest(),
         "timing": "median per call over CUDA-graph replays (or eager loops for 'eager'/'sdpa'), rotating input sets totalling >= 3x L2",
     }
 

@@ -104,24 +104,39 @@ def _divides(n: int, d: int) -> bool:
     return d >= 1 and n % d == 0
 
 
+DOT16 = {"matmul": "dot", "dot_precision": "input"}  # tl.dot on bf16 operands, rows padded to 16
+
+
 def rmsnorm_linear_variants(batch: int, hidden: int, out: int, dtype: str, wide: bool = False) -> list[Variant]:
-    """GEMV-style fused kernels (4-64 columns a program over the whole K, K chunks 256-1024),
-    and split-K schedules with a combine kernel for batches above 1."""
+    """GEMV-style fused kernels (4-32 columns a program over the whole K, K chunks 256-1024),
+    and split-K schedules with a combine kernel for batches above 1; above batch 1 both
+    GEMV math (``fma``) and ``tl.dot`` on narrow tiles."""
     vs: list[Variant] = []
     cols = (4, 8, 16, 32) if wide else ((8, 16) if batch == 1 else (16, 32))
     chunks = (256, 512, 1024) if wide else (512,)
     warps = (4, 8) if wide else (4,)
-    for c, kc, nw in itertools.product(cols, chunks, warps):
+    modes: list[dict[str, Any]] = [{}] if batch == 1 else [{"matmul": "fma"}, DOT16]
+
+    def fused(c: int, kc: int, nw: int, mode: dict[str, Any]) -> None:
         if _divides(out, c) and _divides(hidden, kc):
-            vs.append(Variant(f"fused c{c} k{kc} w{nw}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, dtype=dtype),
-                              {"num_warps": nw}, "one kernel, GEMV/dot over whole K"))
+            tag = "" if not mode else f" {mode['matmul']}"
+            vs.append(Variant(f"fused c{c} k{kc} w{nw}{tag}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, dtype=dtype),
+                              {"num_warps": nw, **mode}, "one kernel, GEMV/dot over whole K"))
+
+    for i, mode in enumerate(modes):
+        for c, kc, nw in itertools.product(cols, chunks, warps):
+            if i == 0 or not wide or (kc == 512 and nw == 4):
+                fused(c, kc, nw, mode)
     if batch > 1 or wide:
-        for c, s in itertools.product((32, 64) if wide else (64,), (2, 4, 8) if wide else (4,)):
-            kc = 256 if hidden // s >= 256 else hidden // s
-            if _divides(out, c) and _divides(hidden, s * kc):
-                nb = out // c
-                vs.append(Variant(f"splitk c{c} s{s} k{kc}", split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
-                                  {"num_warps": 4}, "split-K partials + combine kernel"))
+        for mode in modes:
+            for c, s in itertools.product((32, 64) if wide else (64,), (2, 4, 8) if wide else (4,)):
+                kc = 256 if hidden // s >= 256 else hidden // s
+                if _divides(out, c) and _divides(hidden, s * kc):
+                    nb = out // c
+                    tag = "" if not mode else f" {mode['matmul']}"
+                    vs.append(Variant(f"splitk c{c} s{s} k{kc}{tag}",
+                                      split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
+                                      {"num_warps": 4, **mode}, "split-K partials + combine kernel"))
     return vs
 
 
@@ -150,20 +165,25 @@ def attention_variants(batch: int, q_heads: int, kv_heads: int, head_dim: int, k
 
 def lora_variants(batch: int, k: int, n: int, rank: int, dtype: str, wide: bool = False) -> list[Variant]:
     vs: list[Variant] = []
-    for c in (8, 16, 32) if wide else (16, 32):
-        if _divides(n, c):
-            vs.append(Variant(f"fused c{c} k512", hw.fused_lora(batch, k, n, rank, n // c, k // 512, dtype=dtype), {"num_warps": 4}, "one kernel, A re-read per block"))
-            vs.append(Variant(f"2kernel c{c} k512", two_kernel_lora(batch, k, n, rank, n // c, k // 512, 16, k // (16 * 256), dtype=dtype),
-                              {"num_warps": 4}, "split-K X@A^T, then GEMV with low-rank epilogue"))
+    for mode in [{}] if batch == 1 else [{}, DOT16]:
+        tag = "" if not mode else " dot"
+        for c in (8, 16, 32) if wide else (16, 32):
+            if _divides(n, c):
+                vs.append(Variant(f"fused c{c} k512{tag}", hw.fused_lora(batch, k, n, rank, n // c, k // 512, dtype=dtype),
+                                  {"num_warps": 4, **mode}, "one kernel, A re-read per block"))
+                vs.append(Variant(f"2kernel c{c} k512{tag}", two_kernel_lora(batch, k, n, rank, n // c, k // 512, 16, k // (16 * 256), dtype=dtype),
+                                  {"num_warps": 4, **mode}, "split-K X@A^T, then GEMV with low-rank epilogue"))
     return vs
 
 
 def gated_mlp_variants(batch: int, hidden: int, inter: int, dtype: str, wide: bool = False) -> list[Variant]:
     vs: list[Variant] = []
-    for c, kc in itertools.product((8, 16, 32) if wide else (8, 16), (512, 1024) if wide else (512,)):
-        if _divides(inter, c) and _divides(hidden, kc):
-            vs.append(Variant(f"fused c{c} k{kc}", hw.fused_gated_mlp(batch, hidden, inter, inter // c, hidden // kc, dtype=dtype), {"num_warps": 4},
-                              "one kernel, both matmuls share the X tile"))
+    for mode in [{}] if batch == 1 else [{}, DOT16]:
+        tag = "" if not mode else " dot"
+        for c, kc in itertools.product((8, 16, 32) if wide else (8, 16), (512, 1024) if wide else (512,)):
+            if _divides(inter, c) and _divides(hidden, kc):
+                vs.append(Variant(f"fused c{c} k{kc}{tag}", hw.fused_gated_mlp(batch, hidden, inter, inter // c, hidden // kc, dtype=dtype),
+                                  {"num_warps": 4, **mode}, "one kernel, both matmuls share the X tile"))
     return vs
 
 

@@ -16,9 +16,9 @@ Decode-time kernels are memory-bound, so the model is built around bytes:
   warps fit on an SM; the fraction of the 132 SMs that get work, and how well
   each is fed, scales the bandwidth. A grid of 4 blocks therefore reaches a few
   percent of HBM bandwidth; a grid of 768 GEMV blocks reaches all of it.
-* **Arithmetic.** Tile matmuls whose row count is small (``<= gemv_max_rows``)
-  run as GEMV (multiply + ``tl.sum``) on the CUDA cores; larger ones use
-  ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
+* **Arithmetic.** Tile matmuls run as codegen runs them: with ``matmul="auto"``
+  those with fewer than ``dot_min_rows`` (16) rows are GEMV (multiply +
+  ``tl.sum``) on the CUDA cores and the rest use ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
   wastes 15/16 of the unit). A kernel takes ``max(memory time, arithmetic time)``.
 * **Launches.** Each kernel costs ``launch_s`` (3-5 µs without a CUDA graph;
   the default, 3 µs, is what a captured decode step pays per kernel boundary,
@@ -58,7 +58,7 @@ class GPUModel:
     dot_flops_per_s: float = 650e12  # bf16/fp16 tensor cores, measured ~690 on 8192^3
     dot_flops_per_s_fp32: float = 320e12  # tf32
     cuda_core_flops_per_s: float = 60e12  # fp32 FMA, GEMV-style math
-    gemv_max_rows: int = 4
+    dot_min_rows: int = 16  # codegen's default for matmul='auto'
 
 
 H200 = GPUModel()
@@ -173,8 +173,12 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
         times = rng if tiles[n_in + i].phase == "loop" else 1
         f *= times * nb
         flops += f
-        forced = _param(params, "matmul", None)
-        use_dot = forced == "dot" if forced in ("dot", "gemv") else m > gpu.gemv_max_rows
+        # codegen's CodegenParams.matmul: "dot", "fma" (GEMV), or "auto" = tl.dot from dot_min_rows rows
+        forced = _param(params, "matmul", "auto")
+        if forced in ("dot", "fma", "gemv"):
+            use_dot = forced == "dot"
+        else:
+            use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows))
         if use_dot:
             mode = "dot"
             pad = (max(16, m) * max(16, n) * max(16, k)) / (m * n * k)
@@ -215,7 +219,7 @@ def estimate(graph: KernelGraph, params: Any = None, gpu: GPUModel = H200) -> Co
     """Estimate the run time of ``graph`` compiled with ``params`` on ``gpu``.
 
     ``params`` may be a ``CodegenParams``, a dict or None; the model reads
-    ``num_warps`` (default 4) and an optional ``matmul`` ("dot" / "gemv")."""
+    ``num_warps`` (default 4), ``matmul`` ("auto" / "dot" / "fma") and ``dot_min_rows``."""
     info = graph.info
     kernels: list[KernelCost] = []
     t = 0
