@@ -1,0 +1,147 @@
+"""Enumeration rules: partition tags, canonical order, map choices, output maps, instantiation."""
+
+import pytest
+from handwritten import fused_gated_mlp, fused_lora, fused_rmsnorm_linear, split_kv_attention
+
+from mirage_serve.mugraph import BlockBuilder, GraphBuilder, Op
+from mirage_serve.mugraph.shapes import TensorInfo
+from mirage_serve.search.config import SearchConfig
+from mirage_serve.search.enumerate import (
+    LOOP,
+    Counters,
+    Tags,
+    Vocabulary,
+    accum_tags,
+    block_rejection,
+    canonical_block_order,
+    canonical_ok,
+    instantiations,
+    map_choices,
+    output_map_of,
+    tile_tags,
+)
+from mirage_serve.specs import build_spec
+
+E = frozenset()
+
+
+def _info(shape, phase="loop"):
+    return TensorInfo(tuple(shape), "float32", phase)
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [
+        fused_rmsnorm_linear(16, 4096, 6144, n_blocks=192, loop=16),
+        split_kv_attention(1, 32, 8, 128, 4096, splits=8, loop=8),
+        fused_lora(8, 4096, 4096, 16, n_blocks=64, loop=8),
+        fused_gated_mlp(8, 4096, 11008, n_blocks=86, loop=8),
+    ],
+    ids=["rmsnorm_linear", "split_kv_attention", "lora", "gated_mlp"],
+)
+def test_hand_written_fused_blocks_lie_in_the_search_space(graph):
+    info = graph.info
+    for op in graph.customized_ops:
+        args = [info[t] for t in op.inputs]
+        assert block_rejection(canonical_block_order(op.block), args) is None
+
+
+def test_matmul_contracting_differently_split_dims_is_rejected():
+    a, b = _info((16, 64)), _info((32, 64))
+    mm = Op.make("matmul", (0, 1), trans_b=True)
+    ok = tile_tags(mm, [a, b], [Tags((E, frozenset({LOOP}))), Tags((frozenset({"g0"}), frozenset({LOOP})))], _info((16, 32)))
+    assert ok == Tags((E, frozenset({"g0"})), frozenset({LOOP}))
+    bad = tile_tags(mm, [a, b], [Tags((E, frozenset({LOOP}))), Tags((frozenset({LOOP}), frozenset({"g0"})))], _info((16, 32)))
+    assert bad is None
+
+
+def test_nonlinear_function_of_a_partial_sum_is_rejected():
+    x = _info((16, 32))
+    partial = Tags((E, frozenset({"g0"})), frozenset({LOOP}))
+    assert tile_tags(Op.make("unary", (0,), fn="exp"), [x], [partial], x) is None
+    assert tile_tags(Op.make("unary", (0,), fn="mul_scalar", scalar=2.0), [x], [partial], x) == partial
+
+
+def test_accumulators_need_a_loop_split_quantity():
+    assert accum_tags("sum", Tags((E, E), frozenset({LOOP}))) == Tags((E, E))
+    assert accum_tags("sum", Tags((E, frozenset({LOOP})))) is None  # summing different columns
+    assert accum_tags("mean_sq_last", Tags((E, frozenset({LOOP})))) == Tags((E, E))
+    assert accum_tags("max_last", Tags((E, frozenset({"g1", LOOP})))) == Tags((E, E), E, frozenset({"g1"}))
+    # a value scaled by the running max needs a rescaled accumulator
+    scaled = Tags((E, frozenset({LOOP})), E, frozenset({"M"}))
+    assert accum_tags("sum_last", scaled) is None
+    assert accum_tags("rescaled_sum_last", scaled) == Tags((E, E))
+
+
+def test_output_map_from_tags_partial_and_replicated():
+    assert output_map_of(Tags((E, frozenset({"g0"}))), 1) == (1,)
+    assert output_map_of(Tags((frozenset({"g0"}), E), frozenset({"g1"})), 2) == (0, -1)
+    assert output_map_of(Tags((E, E)), 1) is None
+
+
+def test_canonical_order_generates_independent_ops_once():
+    g = GraphBuilder()
+    x = g.input("X", (4, 8))
+    ops = tuple(g.ops)
+    a = Op.make("unary", (x,), fn="exp")
+    b = Op.make("unary", (x,), fn="neg")
+    orders = [(a, b), (b, a)]
+    allowed = [o for o in orders if canonical_ok(ops + (o[0],), 2, o[1])]
+    assert len(allowed) == 1
+    # an op reading the newest tensor is always allowed
+    assert canonical_ok(ops + (b,), 2, Op.make("unary", (1,), fn="exp"))
+
+
+def test_map_choices_follow_the_rules():
+    spec = build_spec("rmsnorm_linear", {"batch": 16, "hidden": 4096, "out": 6144})
+    infos = [spec.info[t] for t in spec.input_ids]
+    c = Counters()
+    choices = map_choices(infos, 1, c)
+    assert choices and c.pruned_other > 0
+    for ch in choices:
+        for g in range(len(ch.grid)):
+            extents = {infos[j].shape[m[g]] for j, m in enumerate(ch.input_maps) if m[g] >= 0}
+            assert len(extents) == 1
+        loops = {infos[j].shape[f] for j, f in enumerate(ch.forloop_dims) if f >= 0}
+        assert len(loops) <= 1
+    wanted = ((-1,), (-1,), (0,))
+    assert any(ch.input_maps == wanted and ch.forloop_dims == (1, 0, 1) for ch in choices)
+
+
+def test_map_choices_for_a_dim_of_one_never_split():
+    infos = [TensorInfo((1, 64), "float32"), TensorInfo((32, 64), "float32")]
+    for ch in map_choices(infos, 2):
+        assert all(m[0] != 0 for m in [ch.input_maps[0]])
+
+
+def test_instantiations_respect_divisibility_and_shared_memory():
+    g = fused_gated_mlp(8, 4096, 11008, n_blocks=2, loop=2)
+    cfg = SearchConfig()
+    inst = instantiations(g, cfg)
+    assert inst and [c for c, _ in inst] == sorted(c for c, _ in inst)
+    for _, ig in inst:
+        (op,) = ig.customized_ops
+        assert 11008 % op.block.grid[0] == 0 and 4096 % op.block.forloop_range == 0
+    tiny = cfg.replace(target=cfg.target.__class__(smem_per_block=1024))
+    assert instantiations(g, tiny) == []
+
+
+def test_vocabulary_reads_scalars_and_eps_from_the_spec():
+    v = Vocabulary.from_spec(build_spec("rmsnorm_linear", {"batch": 2, "hidden": 8, "out": 4}))
+    assert v.eps == (1e-6,) and 1e-6 in v.add_scalars
+    v = Vocabulary.from_spec(build_spec("attention_decode", {"batch": 1, "q_heads": 4, "kv_heads": 1, "head_dim": 16, "kv_len": 32}))
+    assert v.mul_scalars == (0.25,)
+
+
+def test_block_rejection_explains():
+    g = GraphBuilder()
+    x, w = g.input("X", (4, 64)), g.input("W", (32, 64))
+    b = BlockBuilder((2,), 2)
+    tx, tw = b.input(0, (-1,), 1), b.input(1, (0,), 1)
+    y = b.unary("exp", b.matmul(tx, tw, trans_b=True))
+    b.output(b.accum("sum", y), (1,))
+    op = Op.make("customized", (x, w), block=b.build())
+    (out,) = g.customized([x, w], op.block)
+    g.build([out])  # valid IR: exp of a per-iteration partial sum, then summed; no spec computes that
+    reason = block_rejection(op.block, [TensorInfo((4, 64), "float32"), TensorInfo((32, 64), "float32")])
+    assert reason is not None and "partition" in reason
