@@ -1,1 +1,17 @@
+"""Triton code generation for μGraphs, launch wrappers and torch custom operators."""
 
+from mirage_serve.codegen.custom_op import register_custom_op
+from mirage_serve.codegen.params import CodegenError, CodegenParams
+from mirage_serve.codegen.runtime import CompiledGraph, compile_for_target, compile_graph, generate_source, load_kernel, supports
+
+__all__ = [
+    "CodegenError",
+    "CodegenParams",
+    "CompiledGraph",
+    "compile_for_target",
+    "compile_graph",
+    "generate_source",
+    "load_kernel",
+    "register_custom_op",
+    "supports",
+]

@@ -1,0 +1,597 @@
+"""Block graph -> Triton kernel source.
+
+One customized operator becomes one ``@triton.jit`` function: a program per
+grid point (``tl.program_id`` per grid dim), tiles loaded by the input maps
+(offsets mirror :func:`mirage_serve.reference.load_tile_fn`: along a dim split
+by the grid and the loop, block b owns chunk b and iteration i loads sub-chunk
+i), a ``for`` loop over ``forloop_range``, fp32 accumulators in registers, the
+operators after the loop once, and stores by the output maps (partial outputs
+get their leading grid dims). 16-bit tensors are loaded, computed in fp32 and
+cast on store.
+
+Registers: each tile dim class (see :mod:`mirage_serve.codegen.analysis`) has
+one power-of-two extent; padded entries are masked on load (zero) and store,
+and re-masked before any reduction over a padded dim whose padding may hold
+non-zero values. Size-1 tile dims are squeezed (a value's register dims are its
+tile's dims of size > 1, in tile order). Sizes are literals; a row dim uses the
+runtime ``n_rows`` in its masks and strides (all tensors are contiguous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mirage_serve.codegen.analysis import block_dims
+from mirage_serve.codegen.params import CodegenError, CodegenParams
+from mirage_serve.mugraph.graph import Op
+from mirage_serve.mugraph.shapes import TensorInfo
+
+TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
+PTR_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _num(x: float) -> str:
+    x = float(x)
+    if x != x or x in (float("inf"), float("-inf")):
+        return f'float("{x}")'
+    return repr(x)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """Generated source of one kernel and how to launch it."""
+
+    name: str
+    text: str
+    grid: tuple[int, ...]
+    signature: dict[str, str]  # argument name -> Triton type, for ahead-of-time compilation
+    uses_n_rows: bool
+    # per grid dim: rows each program owns when the launch may shrink with n_rows, else 0
+    rows_per_program: tuple[int, ...]
+
+
+@dataclass
+class _Val:
+    name: str
+    dims: tuple[int, ...]  # tile dims of size > 1, in register order
+    zero: bool  # padded entries are known to be exactly 0
+
+
+class _Gen:
+    def __init__(
+        self,
+        name: str,
+        op: Op,
+        arg_infos: list[TensorInfo],
+        arg_storage: list[str],
+        arg_rows: list[int | None],
+        out_infos: list[TensorInfo],
+        out_storage: list[str],
+        out_rows: list[int | None],
+        params: CodegenParams,
+        where: str,
+    ) -> None:
+        self.name, self.op, self.block = name, op, op.block
+        self.arg_infos, self.arg_storage, self.arg_rows = arg_infos, arg_storage, arg_rows
+        self.out_infos, self.out_storage, self.out_rows = out_infos, out_storage, out_rows
+        self.params, self.where = params, where
+        self.bd = block_dims(self.block, arg_infos)
+        self.tiles = self.bd.tiles
+        self.n_in = len(self.block.inputs)
+        self.lines: list[str] = []
+        self.uses_n_rows = False
+        dtypes = {i.dtype for i in arg_infos}
+        self.low = next((d for d in ("bfloat16", "float16") if d in dtypes), None)
+        for t, cls in enumerate(self.bd.cls):
+            kept = [c for c in cls if c is not None]
+            if len(set(kept)) != len(kept):
+                raise CodegenError(f"{self._w(t)}: two dims of one tile are the same axis (e.g. X @ X^T); not supported")
+        self._plan_dots()
+        self.pad = [max(_pow2(s), 16 if c in self.dot_classes else 1) for c, s in enumerate(self.bd.size)]
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _w(self, t: int) -> str:
+        if t < self.n_in:
+            return f"{self.where}, block input {t}"
+        return f"{self.where}, block op {t - self.n_in} ({self.block.ops[t - self.n_in].describe()})"
+
+    def emit(self, line: str, depth: int = 1) -> None:
+        self.lines.append("    " * depth + line)
+
+    def kept(self, t: int) -> tuple[int, ...]:
+        return tuple(d for d, c in enumerate(self.bd.cls[t]) if c is not None)
+
+    def classes(self, t: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.bd.cls[t][d] for d in dims)
+
+    def _plan_dots(self) -> None:
+        self.dot_ops: set[int] = set()
+        self.dot_classes: set[int] = set()
+        mode = self.params.matmul
+        for j, op in enumerate(self.block.ops):
+            if op.kind != "matmul" or mode == "fma":
+                continue
+            t = self.n_in + j
+            a, b = op.inputs
+            sa, sb = self.tiles[a].shape, self.tiles[b].shape
+            ca, cb = self.bd.cls[a], self.bd.cls[b]
+            kb, nb = (len(sb) - 1, len(sb) - 2) if op.attr("trans_b") else (len(sb) - 2, len(sb) - 1)
+            m, k, n = ca[-2], ca[-1], cb[nb]
+            batch = [c for c in ca[:-2] + cb[: len(sb) - 2] if c is not None]
+            if None in (m, k, n) or batch:
+                continue
+            if mode == "auto" and sa[-2] < self.params.dot_min_rows:
+                continue
+            self.dot_ops.add(t)
+            self.dot_classes.update((m, k, n))
+        # a tile read only as the transposed operand of dots is loaded as [K, N] directly
+        self.load_transposed: set[int] = set()
+        for t in range(self.n_in):
+            uses = [(self.n_in + j, op) for j, op in enumerate(self.block.ops) if t in op.inputs]
+            if uses and all(u in self.dot_ops and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t for u, op in uses):
+                self.load_transposed.add(t)
+
+    def arange(self, c: int, target: tuple[int, ...]) -> str:
+        """``tl.arange`` of class ``c`` expanded to the register classes ``target``."""
+        return f"r{c}" + self._index(target.index(c), len(target))
+
+    @staticmethod
+    def _index(pos: int, n: int) -> str:
+        if n <= 1:
+            return ""
+        return "[" + ", ".join(":" if q == pos else "None" for q in range(n)) + "]"
+
+    def pad_mask(self, cls: tuple[int, ...], only: tuple[int, ...] | None = None) -> str | None:
+        parts = [
+            f"m{c}" + self._index(p, len(cls))
+            for p, c in enumerate(cls)
+            if self.pad[c] > self.bd.size[c] and (only is None or c in only)
+        ]
+        return " & ".join(parts) if parts else None
+
+    def expand(self, v: _Val, vt: int, target: tuple[int, ...]) -> str:
+        """Value ``v`` of tile ``vt`` broadcast to register classes ``target``."""
+        vc = self.classes(vt, v.dims)
+        missing = [c for c in vc if c not in target]
+        if missing:
+            raise CodegenError(f"{self._w(vt)}: a tile dim does not line up with its consumer's dims; not supported")
+        expr = v.name
+        order = sorted(range(len(vc)), key=lambda p: target.index(vc[p]))
+        if order != list(range(len(vc))):
+            expr = f"tl.permute({expr}, {tuple(order)})"
+            vc = tuple(vc[p] for p in order)
+        if 0 < len(vc) < len(target):
+            expr += "[" + ", ".join(":" if c in vc else "None" for c in target) + "]"
+        return expr
+
+    def natural(self, v: _Val, t: int) -> _Val:
+        if v.dims == self.kept(t):
+            return v
+        return _Val(self.expand(v, t, self.classes(t, self.kept(t))), self.kept(t), v.zero)
+
+    def shape_of(self, cls: tuple[int, ...]) -> str:
+        return "(" + "".join(f"{self.pad[c]}, " for c in cls).rstrip(" ") + ")"
+
+    def masked(self, v: _Val, t: int, along: tuple[int, ...], fill: str) -> str:
+        """``v`` (natural order) with padded entries along classes ``along`` set to ``fill``."""
+        cls = self.classes(t, v.dims)
+        m = self.pad_mask(cls, along)
+        if m is None or (fill == "0.0" and v.zero):
+            return v.name
+        return f"tl.where({m}, {v.name}, {fill})"
+
+    def size_exprs(self, shape: tuple[int, ...], row: int | None) -> list[str]:
+        return ["n_rows" if d == row else str(s) for d, s in enumerate(shape)]
+
+    def strides(self, shape: tuple[int, ...], row: int | None) -> list[str]:
+        out = []
+        for d in range(len(shape)):
+            lit, sym = 1, False
+            for e in range(d + 1, len(shape)):
+                if e == row:
+                    sym = True
+                else:
+                    lit *= shape[e]
+            if sym:
+                self.uses_n_rows = True
+                out.append("n_rows" if lit == 1 else f"n_rows * {lit}")
+            else:
+                out.append(str(lit))
+        return out
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self) -> KernelSource:
+        blk, rng = self.block, self.block.forloop_range
+        body: list[str] = []
+        self.lines = body
+        for g, size in enumerate(blk.grid):
+            if size > 1:
+                self.emit(f"pid{g} = tl.program_id({g})")
+        for c, size in enumerate(self.bd.size):
+            self.emit(f"r{c} = tl.arange(0, {self.pad[c]})")
+            if self.pad[c] > size:
+                self.emit(f"m{c} = r{c} < {size}")
+        loads = self._emit_load_setup()
+        env: dict[int, _Val] = {}
+        phases = [info.phase for info in self.tiles]
+        for j, bi in enumerate(blk.inputs):
+            if bi.forloop_dim == -1:
+                env[j] = self._emit_load(j, loads[j], 1)
+        for j, op in enumerate(blk.ops):
+            t = self.n_in + j
+            if phases[t] == "invariant":
+                env[t] = self._emit_op(op, t, env, 1, "")
+        accs = [self.n_in + j for j, op in enumerate(blk.ops) if op.kind == "accum"]
+        alpha_needed = {op.inputs[1] for op in blk.ops if op.kind == "accum" and op.attr("fn").startswith("rescaled")}
+        for t in accs:
+            self._emit_acc_init(t)
+        loop_env = dict(env)
+        self.emit(f"for i in range({rng}):")
+        for j, bi in enumerate(blk.inputs):
+            if bi.forloop_dim != -1:
+                loop_env[j] = self._emit_load(j, loads[j], 2)
+        for j, op in enumerate(blk.ops):
+            t = self.n_in + j
+            if op.kind == "accum":
+                loop_env[t] = self._emit_acc_step(op, t, loop_env, t in alpha_needed)
+            elif phases[t] in ("loop", "both"):
+                loop_env[t] = self._emit_op(op, t, loop_env, 2, "")
+        if not any(phases[t] in ("loop", "both") for t in range(len(self.tiles))):
+            self.emit("pass", 2)
+        post = dict(env)
+        for j, op in enumerate(blk.ops):
+            t = self.n_in + j
+            if op.kind == "accum":
+                post[t] = self._emit_acc_final(op, t)
+            elif phases[t] in ("post", "both"):
+                post[t] = self._emit_op(op, t, post, 1, "_post" if phases[t] == "both" else "")
+        rows_per_program = [0] * len(blk.grid)
+        for j, bo in enumerate(blk.outputs):
+            self._emit_store(j, bo, post[bo.tensor])
+        if self.params.shrink_grid:
+            rows_per_program = self._shrinkable()
+        args = [f"in{j}_ptr" for j in range(len(self.arg_infos))] + [f"out{j}_ptr" for j in range(len(self.out_infos))]
+        sig = {f"in{j}_ptr": PTR_TYPES[s] for j, s in enumerate(self.arg_storage)}
+        sig.update({f"out{j}_ptr": PTR_TYPES[s] for j, s in enumerate(self.out_storage)})
+        if self.uses_n_rows:
+            args.append("n_rows")
+            sig["n_rows"] = "i32"
+        head = ["@triton.jit", f"def {self.name}({', '.join(args)}):", f'    """{self.where}: grid {list(blk.grid)}, forloop_range {rng}.']
+        for j, info in enumerate(self.arg_infos):
+            head.append(f"    in{j}: {list(info.shape)} {self.arg_storage[j]}" + (f", row dim {self.arg_rows[j]}" if self.arg_rows[j] is not None else ""))
+        for j, info in enumerate(self.out_infos):
+            head.append(f"    out{j}: {list(info.shape)} {self.out_storage[j]}" + (f", row dim {self.out_rows[j]}" if self.out_rows[j] is not None else ""))
+        head.append('    """')
+        text = "\n".join(head + body) + "\n"
+        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program))
+
+    def _shrinkable(self) -> list[int]:
+        """Rows each program owns along grid dims that every output maps to its row dim."""
+        blk = self.block
+        out = [0] * len(blk.grid)
+        for g, size in enumerate(blk.grid):
+            if size <= 1:
+                continue
+            per = set()
+            for j, bo in enumerate(blk.outputs):
+                d = bo.output_map[g]
+                n_partial = len(self.out_infos[j].shape) - len(self.tiles[bo.tensor].shape)
+                if d == -1 or self.out_rows[j] != n_partial + d:
+                    per = set()
+                    break
+                per.add(self.tiles[bo.tensor].shape[d])
+            if len(per) == 1:
+                out[g] = per.pop()
+        return out
+
+    def _emit_load_setup(self) -> list[tuple[str, str | None, str]]:
+        """Per block input: (offset name, mask name or None, per-iteration step)."""
+        blk, rng = self.block, self.block.forloop_range
+        res = []
+        for j, bi in enumerate(blk.inputs):
+            src = bi.source
+            shape, tile = self.arg_infos[src].shape, self.tiles[j].shape
+            row = self.arg_rows[src]
+            strides = self.strides(shape, row)
+            dims = self.kept(j)
+            if j in self.load_transposed:
+                dims = dims[:-2] + (dims[-1], dims[-2])
+            target = self.classes(j, dims)
+            terms, masks = [], []
+            for d in range(len(shape)):
+                idx = []
+                for g, td in enumerate(bi.input_map):
+                    if td == d and blk.grid[g] > 1:
+                        step = tile[d] * (rng if d == bi.forloop_dim else 1)
+                        idx.append(f"pid{g}" if step == 1 else f"pid{g} * {step}")
+                c = self.bd.cls[j][d]
+                if c is not None:
+                    idx.append(self.arange(c, target))
+                if d == row:
+                    self.uses_n_rows = True
+                    masks.append(f"({' + '.join(idx) if idx else '0'} < n_rows)")
+                if not idx:
+                    continue
+                term = " + ".join(idx)
+                terms.append(term if strides[d] == "1" else f"({term}) * {strides[d]}" if len(idx) > 1 else f"{term} * {strides[d]}")
+            masks = self._tensor_mask(target, masks)
+            off = f"off{j}"
+            self.emit(f"{off} = {' + '.join(terms) if terms else '0'}")
+            mask = None
+            if masks:
+                mask = f"mask{j}"
+                self.emit(f"{mask} = {' & '.join(masks)}")
+            fd = bi.forloop_dim
+            step = "0"
+            if fd != -1:
+                s = strides[fd]
+                step = str(tile[fd]) if s == "1" else f"{tile[fd]} * {s}"
+            res.append((off, mask, step))
+            self._load_dims = getattr(self, "_load_dims", {})
+            self._load_dims[j] = dims
+        return res
+
+    def _tensor_mask(self, target: tuple[int, ...], row_masks: list[str]) -> list[str]:
+        """Padding mask plus row conditions; a scalar condition is broadcast to the tile."""
+        pm = self.pad_mask(target)
+        if pm:
+            return [pm, *row_masks]
+        if row_masks and target and not any(" r" in m or "(r" in m for m in row_masks):
+            # a scalar row test: widen it to the tile (scalar masks on tile loads are not portable)
+            zeros = f"tl.zeros({self.shape_of(target)}, tl.int32) + "
+            return [m.replace("(", "(" + zeros, 1) for m in row_masks]
+        return row_masks
+
+    def _emit_load(self, j: int, setup: tuple[str, str | None, str], depth: int) -> _Val:
+        off, mask, step = setup
+        src = self.block.inputs[j].source
+        ptr = f"in{src}_ptr + {off}" + (f" + i * ({step})" if step != "0" else "")
+        m = f", mask={mask}, other=0.0" if mask else ""
+        cast = "" if self.arg_storage[src] == "float32" else ".to(tl.float32)"
+        self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
+        return _Val(f"t{j}", self._load_dims[j], True)
+
+    def _emit_store(self, j: int, bo, v: _Val) -> None:
+        blk = self.block
+        t = bo.tensor
+        v = self.natural(v, t)
+        shape, tile = self.out_infos[j].shape, self.tiles[t].shape
+        row = self.out_rows[j]
+        strides = self.strides(shape, row)
+        n_partial = len(shape) - len(tile)
+        target = self.classes(t, v.dims)
+        terms, masks = [], []
+        partial_grid = [g for g, d in enumerate(bo.output_map) if d == -1 and blk.grid[g] > 1]
+        for p, g in enumerate(partial_grid):
+            terms.append(f"pid{g}" if strides[p] == "1" else f"pid{g} * {strides[p]}")
+        for d in range(len(tile)):
+            od = n_partial + d
+            idx = [f"pid{g}" if tile[d] == 1 else f"pid{g} * {tile[d]}" for g, td in enumerate(bo.output_map) if td == d and blk.grid[g] > 1]
+            c = self.bd.cls[t][d]
+            if c is not None:
+                idx.append(self.arange(c, target))
+            if od == row:
+                self.uses_n_rows = True
+                masks.append(f"({' + '.join(idx) if idx else '0'} < n_rows)")
+            if idx:
+                term = " + ".join(idx)
+                s = strides[od]
+                terms.append(term if s == "1" else (f"({term}) * {s}" if len(idx) > 1 else f"{term} * {s}"))
+        masks = self._tensor_mask(target, masks)
+        val = v.name if self.out_storage[j] == "float32" else f"{v.name}.to({TL_DTYPES[self.out_storage[j]]})"
+        m = f", mask={' & '.join(masks)}" if masks else ""
+        self.emit(f"tl.store(out{j}_ptr + {' + '.join(terms) if terms else '0'}, {val}{m})")
+
+    # ---- operators -----------------------------------------------------------------------
+    def _emit_op(self, op: Op, t: int, env: dict[int, _Val], depth: int, suffix: str) -> _Val:
+        name = f"t{t}{suffix}"
+        ins = [self.natural(env[x], x) for x in op.inputs] if op.kind != "matmul" else []
+        out_cls = self.classes(t, self.kept(t))
+        k = op.kind
+        if k == "matmul":
+            ins = [env[x] if x in self.load_transposed else self.natural(env[x], x) for x in op.inputs]
+            return self._emit_matmul(op, t, ins, name, depth)
+        if k == "unary":
+            (x,) = ins
+            fn, s = op.attr("fn"), op.attr("scalar")
+            expr = {
+                "exp": f"tl.exp({x.name})",
+                "silu": f"{x.name} * tl.sigmoid({x.name})",
+                "sqrt": f"tl.sqrt({x.name})",
+                "rsqrt": f"tl.rsqrt({x.name})",
+                "square": f"{x.name} * {x.name}",
+                "neg": f"-{x.name}",
+                "recip": f"1.0 / {x.name}",
+                "mul_scalar": f"{x.name} * {_num(s) if s is not None else ''}",
+                "add_scalar": f"{x.name} + {_num(s) if s is not None else ''}",
+            }[fn]
+            self.emit(f"{name} = {expr}", depth)
+            return _Val(name, self.kept(t), x.zero and fn in ("silu", "sqrt", "square", "neg", "mul_scalar"))
+        if k == "binary":
+            a, b = ins
+            sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op.attr("fn")]
+            ea, eb = self.expand(a, op.inputs[0], out_cls), self.expand(b, op.inputs[1], out_cls)
+            self.emit(f"{name} = {ea} {sym} {eb}", depth)
+            return _Val(name, self.kept(t), a.zero and b.zero and op.attr("fn") != "div")
+        if k == "reduce":
+            (x,) = ins
+            src = op.inputs[0]
+            d = op.attr("dim", -1) % len(self.tiles[src].shape)
+            c = self.bd.cls[src][d]
+            if c is None:
+                return _Val(x.name, self.kept(t), x.zero)
+            axis = x.dims.index(d)
+            if op.attr("fn") == "sum":
+                self.emit(f"{name} = tl.sum({self.masked(x, src, (c,), '0.0')}, axis={axis})", depth)
+                return _Val(name, self.kept(t), x.zero)
+            self.emit(f"{name} = tl.max({self.masked(x, src, (c,), _num(float('-inf')))}, axis={axis})", depth)
+            return _Val(name, self.kept(t), False)
+        if k == "rms_norm":
+            x = ins[0]
+            src = op.inputs[0]
+            last = len(self.tiles[src].shape) - 1
+            c = self.bd.cls[src][last]
+            n = self.tiles[src].shape[last]
+            if c is None:
+                ms = f"{x.name} * {x.name}"
+            else:
+                xm = self.masked(x, src, (c,), "0.0")
+                self.emit(f"{name}_ms = tl.sum({xm} * {xm}, axis={len(x.dims) - 1}) / {_num(n)}", depth)
+                ms = f"{name}_ms"
+                if len(x.dims) > 1:
+                    ms += "[" + ", ".join([":"] * (len(x.dims) - 1) + ["None"]) + "]"
+            expr = f"{x.name} * tl.rsqrt({ms} + {_num(op.attr('eps', 0.0))})"
+            if len(ins) > 1:
+                expr += f" * {self.expand(ins[1], op.inputs[1], out_cls)}"
+            self.emit(f"{name} = {expr}", depth)
+            return _Val(name, self.kept(t), False)
+        if k == "sum_to":
+            expr = self._sum_to(ins[0], op.inputs[0], t, op.attr("size"))
+            self.emit(f"{name} = {expr}", depth)
+            return _Val(name, self.kept(t), ins[0].zero)
+        raise CodegenError(f"{self._w(t)}: block-level {k!r} has no Triton lowering; supported: matmul, unary, binary, reduce, rms_norm, sum_to, accum")
+
+    def _emit_matmul(self, op: Op, t: int, ins: list[_Val], name: str, depth: int) -> _Val:
+        a, b = ins
+        ia, ib = op.inputs
+        sb = self.tiles[ib].shape
+        trans = bool(op.attr("trans_b"))
+        ck = self.bd.cls[ia][-1]
+        am = self.masked(a, ia, (ck,), "0.0") if ck is not None else a.name
+        bm = b.name
+        if ck is not None and not b.zero:
+            bm = self.masked(b, ib, (ck,), "0.0")
+        if t in self.dot_ops:
+            if trans and ib not in self.load_transposed:
+                bm = f"tl.trans({bm})"
+            prec = self.params.dot_precision
+            if prec == "auto":
+                prec = "tf32" if self.low else "ieee"
+            if prec == "input" and self.low:
+                am, bm = f"({am}).to({TL_DTYPES[self.low]})", f"({bm}).to({TL_DTYPES[self.low]})"
+                self.emit(f"{name} = tl.dot({am}, {bm})", depth)
+            else:
+                self.emit(f'{name} = tl.dot({am}, {bm}, input_precision="{"ieee" if prec == "input" else prec}")', depth)
+            return _Val(name, self.kept(t), a.zero and b.zero)
+        cb = self.bd.cls[ib]
+        nb = len(sb) - 2 if trans else len(sb) - 1
+        batch = tuple(c for c in self.bd.cls[ia][:-2] if c is not None)
+        m, n = self.bd.cls[ia][-2], cb[nb]
+        tail = (n, ck) if trans else (ck, n)
+        prod = tuple(c for c in batch + (m,) + tail if c is not None)
+        ea = self.expand(_Val(am, a.dims, a.zero), ia, prod)
+        eb = self.expand(_Val(bm, b.dims, b.zero), ib, prod)
+        if ck is None:
+            self.emit(f"{name} = {ea} * {eb}", depth)
+        else:
+            self.emit(f"{name} = tl.sum({ea} * {eb}, axis={prod.index(ck)})", depth)
+        return _Val(name, self.kept(t), a.zero and b.zero)
+
+    def _sum_to(self, x: _Val, src: int, t: int, size: int) -> str:
+        """Strided sum of the last dim down to ``size``: out[c] = sum_k x[c + size*k]."""
+        last = len(self.tiles[src].shape) - 1
+        c_in = self.bd.cls[src][last]
+        n = self.tiles[src].shape[last]
+        if c_in is None:
+            return x.name
+        axis = len(x.dims) - 1
+        if size == 1:
+            return f"tl.sum({self.masked(x, src, (c_in,), '0.0')}, axis={axis})"
+        c_out = self.bd.cls[t][last]
+        pad_in = self.pad[c_in]
+        lead = [self.pad[c] for c in self.classes(src, x.dims[:-1])]
+        if pad_in == n and _pow2(size) == size:
+            shape = ", ".join(str(s) for s in lead + [n // size, size])
+            return f"tl.sum(tl.reshape({x.name}, ({shape})), axis={axis})"
+        sel = f"((r{c_in}[:, None] % {size}) == r{c_out}[None, :])"
+        if pad_in > n:
+            sel += f" & m{c_in}[:, None]"
+        pre = ", ".join([":"] * axis)
+        xs = f"{x.name}[{pre + ', ' if pre else ''}:, None]"
+        sl = f"({sel})" + (f"[{', '.join(['None'] * axis)}, :, :]" if axis else "")
+        return f"tl.sum(tl.where({sl}, {xs}, 0.0), axis={axis})"
+
+    # ---- accumulators --------------------------------------------------------------------
+    def _emit_acc_init(self, t: int) -> None:
+        op = self.block.ops[t - self.n_in]
+        shape = self.shape_of(self.classes(t, self.kept(t)))
+        if op.attr("fn") == "max_last":
+            self.emit(f'm{t} = tl.full({shape}, float("-inf"), tl.float32)')
+        else:
+            self.emit(f"acc{t} = tl.zeros({shape}, tl.float32)")
+
+    def _emit_acc_step(self, op: Op, t: int, env: dict[int, _Val], need_alpha: bool) -> _Val:
+        fn = op.attr("fn")
+        src = op.inputs[0]
+        x = self.natural(env[src], src)
+        last = len(self.tiles[src].shape) - 1
+        c_last = self.bd.cls[src][last]
+        axis = len(x.dims) - 1
+        out_cls = self.classes(t, self.kept(t))
+        if fn == "max_last":
+            xm = self.masked(x, src, (c_last,), _num(float("-inf"))) if c_last is not None else x.name
+            rowmax = f"tl.max({xm}, axis={axis})" if c_last is not None else x.name
+            if need_alpha:
+                self.emit(f"mprev{t} = m{t}", 2)
+            self.emit(f"m{t} = tl.maximum(m{t}, {rowmax})", 2)
+            if need_alpha:
+                self.emit(f"alpha{t} = tl.exp(mprev{t} - m{t})", 2)
+            return _Val(f"m{t}", self.kept(t), False)
+        if fn in ("sum", "rescaled_sum"):
+            contrib = x.name
+        elif fn in ("sum_last", "rescaled_sum_last"):
+            contrib = f"tl.sum({self.masked(x, src, (c_last,), '0.0')}, axis={axis})" if c_last is not None else x.name
+        elif fn in ("mean_sq_last", "rms_last"):
+            xm = self.masked(x, src, (c_last,), "0.0") if c_last is not None else x.name
+            contrib = f"tl.sum({xm} * {xm}, axis={axis})" if c_last is not None else f"{x.name} * {x.name}"
+        elif fn == "sum_to":
+            contrib = self._sum_to(x, src, t, op.attr("size"))
+        else:
+            raise CodegenError(f"{self._w(t)}: accumulator {fn!r} has no Triton lowering")
+        if fn.startswith("rescaled"):
+            mt = op.inputs[1]
+            alpha = self.expand(_Val(f"alpha{mt}", self.kept(mt), False), mt, out_cls)
+            self.emit(f"acc{t} = acc{t} * {alpha} + {contrib}", 2)
+        else:
+            self.emit(f"acc{t} += {contrib}", 2)
+        return _Val(f"acc{t}", self.kept(t), False)
+
+    def _emit_acc_final(self, op: Op, t: int) -> _Val:
+        fn = op.attr("fn")
+        src = op.inputs[0]
+        if fn == "max_last":
+            return _Val(f"m{t}", self.kept(t), False)
+        zero = False  # conservative: accumulated padding is re-masked where it matters
+        if fn in ("mean_sq_last", "rms_last"):
+            count = self.tiles[src].shape[-1] * self.block.forloop_range
+            expr = f"acc{t} / {_num(count)}"
+            if fn == "rms_last":
+                expr = f"tl.sqrt({expr})"
+            self.emit(f"t{t} = {expr}")
+            return _Val(f"t{t}", self.kept(t), zero)
+        return _Val(f"acc{t}", self.kept(t), zero)
+
+
+def generate_kernel(
+    name: str,
+    op: Op,
+    arg_infos: list[TensorInfo],
+    arg_storage: list[str],
+    arg_rows: list[int | None],
+    out_infos: list[TensorInfo],
+    out_storage: list[str],
+    out_rows: list[int | None],
+    params: CodegenParams,
+    where: str,
+) -> KernelSource:
+    """Triton source for one customized operator (see the module docstring)."""
+    if op.block is None:
+        raise CodegenError(f"{where}: customized operator without a block graph")
+    return _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where).generate()
