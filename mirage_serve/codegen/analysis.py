@@ -238,6 +238,18 @@ def row_info(graph: KernelGraph) -> RowInfo:
             if bi.forloop_dim >= 0:
                 g.mark(g.node(("k", src), info[src].shape, bi.forloop_dim), f"{where}, block input {j} loops over it")
         _block_dims(g, prefix, block, tiles, where)
+        # tensor dims split by the same grid dim into equal tiles are aligned by the block index
+        for j, bi in enumerate(block.inputs):
+            src = op.inputs[bi.source]
+            for gd, d in enumerate(bi.input_map):
+                if d >= 0 and block.grid[gd] > 1 and d != bi.forloop_dim:
+                    g.join(("g", i, gd, tiles[j].shape[d]), g.node(("k", src), info[src].shape, d))
+        for j, bo in enumerate(block.outputs):
+            ts = tiles[bo.tensor].shape
+            n_partial = len(info[start + j].shape) - len(ts)
+            for gd, d in enumerate(bo.output_map):
+                if d >= 0 and block.grid[gd] > 1:
+                    g.join(("g", i, gd, ts[d]), g.node(("k", start + j), info[start + j].shape, n_partial + d))
         for j, bo in enumerate(block.outputs):
             out_t = start + j
             ts = tiles[bo.tensor].shape

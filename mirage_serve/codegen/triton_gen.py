@@ -339,15 +339,17 @@ class _Gen:
         return res
 
     def _tensor_mask(self, target: tuple[int, ...], row_masks: list[str]) -> list[str]:
-        """Padding mask plus row conditions; a scalar condition is broadcast to the tile."""
+        """Padding mask plus row conditions; a scalar row test is widened to the tile
+        (scalar masks mixed into tile masks are not portable)."""
+        import re
+
+        out = []
+        for m in row_masks:
+            if target and not re.search(r"\br\d+\b", m):
+                m = m.replace("(", f"(tl.zeros({self.shape_of(target)}, tl.int32) + ", 1)
+            out.append(m)
         pm = self.pad_mask(target)
-        if pm:
-            return [pm, *row_masks]
-        if row_masks and target and not any(" r" in m or "(r" in m for m in row_masks):
-            # a scalar row test: widen it to the tile (scalar masks on tile loads are not portable)
-            zeros = f"tl.zeros({self.shape_of(target)}, tl.int32) + "
-            return [m.replace("(", "(" + zeros, 1) for m in row_masks]
-        return row_masks
+        return [pm, *out] if pm else out
 
     def _emit_load(self, j: int, setup: tuple[str, str | None, str], depth: int) -> _Val:
         off, mask, step = setup
