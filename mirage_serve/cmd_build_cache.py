@@ -42,6 +42,7 @@ DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
 DEFAULT_TIME_BUDGET_S = 60.0
 BUCKETED_DIMS = ("batch", "kv_len")
 VERIFY_MEMORY_FACTOR = 4
+SEARCH_ENGINE_MODULES = ("mirage_serve.search.abstract", "mirage_serve.search.prune")
 MAX_SEEDS = 4  # verified structures of one bucket tried at the next buckets of the same family
 
 
@@ -342,6 +343,10 @@ def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptio
 def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[list[Found], dict[str, Any]]:
     """Verified μGraphs for ``spec`` from a full search (its certificates, or fresh ones where absent)."""
     (superoptimize,) = _require("search", "mirage_serve.search", "superoptimize")
+    # the search's worker processes build its default expression engine from these modules; a worker
+    # that cannot import them fails in its pool initializer, so check here rather than hang in the pool
+    for module in SEARCH_ENGINE_MODULES:
+        _require("search", module)
     result = superoptimize(spec, config)
     stats = _plain(getattr(result, "stats", None)) or {}
     candidates = list(result.candidates)[: opts.max_candidates]
