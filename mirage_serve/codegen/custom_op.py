@@ -70,6 +70,8 @@ def register_custom_op(graph: KernelGraph, params: CodegenParams | None = None) 
     opfn = getattr(torch.ops.mirage_serve, name).default
 
     def call(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        if len(tensors) != n_in:
+            raise CodegenError(f"{NAMESPACE}::{name} takes {n_in} tensors, got {len(tensors)}")
         out = opfn(*tensors)
         return [out] if n_out == 1 else list(out)
 

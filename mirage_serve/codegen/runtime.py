@@ -107,17 +107,12 @@ def load_kernel(source: KernelSource):
     return scope[source.name]
 
 
-def compile_for_target(source: KernelSource, arch: int = 90, warp_size: int = 32, params: CodegenParams | None = None):
-    """Compile generated source ahead of time for a CUDA target (no GPU needed); returns
-    triton's compiled kernel, whose ``.asm["ptx"]`` holds the PTX."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def compile_for_target(source: KernelSource, arch: int = 90, warp_size: int = 32, params: CodegenParams | None = None) -> str:
+    """PTX for a CUDA target of one generated kernel, compiled without a GPU."""
+    from mirage_serve.codegen.aot import compile_to_ptx
 
     p = params or CodegenParams()
-    fn = load_kernel(source)
-    src = ASTSource(fn=fn, signature=dict(source.signature), constexprs={})
-    return triton.compile(src, target=GPUTarget("cuda", arch, warp_size), options={"num_warps": p.num_warps, "num_stages": p.num_stages})
+    return compile_to_ptx([source], arch, warp_size, p.num_warps, p.num_stages)[0]
 
 
 def _torch_op(op, ins: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
