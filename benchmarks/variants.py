@@ -137,6 +137,14 @@ def rmsnorm_linear_variants(batch: int, hidden: int, out: int, dtype: str, wide:
                     vs.append(Variant(f"splitk c{c} s{s} k{kc}{tag}",
                                       split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
                                       {"num_warps": 4, **mode}, "split-K partials + combine kernel"))
+    if batch > 1 and wide:  # pipelining depth, warps and wider column tiles for the tl.dot split-K schedule
+        for c, s, nw, ns in ((64, 4, 4, 3), (64, 4, 4, 4), (64, 4, 8, 3), (64, 8, 4, 3), (128, 4, 4, 3), (128, 4, 8, 3), (128, 8, 8, 3)):
+            kc = 256
+            if _divides(out, c) and _divides(hidden, s * kc):
+                nb = out // c
+                vs.append(Variant(f"splitk c{c} s{s} k{kc} dot w{nw} st{ns}",
+                                  split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
+                                  {"num_warps": nw, "num_stages": ns, **DOT16}, "split-K partials + combine kernel"))
     return vs
 
 
@@ -160,6 +168,11 @@ def attention_variants(batch: int, q_heads: int, kv_heads: int, head_dim: int, k
             if per % keys == 0:
                 vs.append(Variant(f"splitkv s{splits} t{keys}", hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype),
                                   {"num_warps": 4}, "split-KV online softmax + combine"))
+                if wide and keys == 64:
+                    for nw, ns in ((8, 2), (4, 3)):
+                        vs.append(Variant(f"splitkv s{splits} t{keys} w{nw} st{ns}",
+                                          hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype),
+                                          {"num_warps": nw, "num_stages": ns}, "split-KV online softmax + combine"))
     return vs
 
 
