@@ -264,7 +264,7 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
             if over() or not states:
                 break
             stats.levels = level
-            tasks = _plan_level(states, cfg, counters)
+            tasks = _plan_level(states, cfg, counters, over)
             bar = tqdm(total=len(tasks), desc=f"search level {level}", disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
             next_states: list[KernelState] = []
             next_keys: set[tuple[str, ...]] = set()
@@ -321,9 +321,12 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     return SearchResult(cands, stats)
 
 
-def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters) -> list[tuple]:
+def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters, over) -> list[tuple]:
     tasks: list[tuple] = []
     for st in states:
+        if over():
+            counters.truncated = True
+            break
         tasks.append(("pre", st))
         if st.num_customized >= cfg.max_customized:
             continue
