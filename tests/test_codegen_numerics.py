@@ -104,3 +104,36 @@ def test_unsupported_is_reported_not_raised():
     (y,) = g.customized([x], b.build())
     ok, why = supports(g.build([y]))
     assert not ok and "concat" in why
+
+
+def _tile_ops_graph(dtype: str = "float32"):
+    """Ragged tiles (24 and 48 wide) through sum_to (both lowerings), reduce max, block rms_norm and rms_last."""
+    from mirage_serve.mugraph import BlockBuilder, GraphBuilder
+
+    g = GraphBuilder()
+    x, w = g.input("X", (6, 96), dtype), g.input("W", (48,), dtype)
+    b = BlockBuilder((3,), 2)
+    tx, tw = b.input(0, (0,), 1), b.input(1, (-1,), 0)  # x tile [2, 48], w tile [24]
+    s1 = b.accum("sum_to", tx, size=16)  # 48 -> 16, padded 64: selection lowering
+    s2 = b.accum("sum_to", b.op("sum_to", tx, size=24), size=8)  # 24 -> 8
+    mx = b.accum("max_last", tx)
+    rn = b.accum("sum", b.op("rms_norm", b.binary("add", b.unary("neg", tx), b.reduce("max", tx, 1)), eps=1e-5))
+    rms = b.accum("rms_last", tx)
+    b.output(s1, (0,))
+    b.output(s2, (0,))
+    b.output(b.binary("mul", mx, rms), (0,))
+    b.output(rn, (0,))
+    del tw
+    outs = g.customized([x, w], b.build())
+    return g.build(list(outs))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_tile_ops(dtype):
+    check(_tile_ops_graph(dtype), dtype)
+
+
+def test_launch_grid_shrinks_with_rows():
+    cg = compile_graph(split_kv_attention(4, 4, 2, 8, 32, splits=2, loop=2))
+    assert cg.kernel_sources[0].rows_per_program == (1, 0) and cg.kernel_sources[1].rows_per_program == (1,)
+    check(split_kv_attention(4, 4, 2, 8, 32, splits=2, loop=2), "float32", n_rows=3)
