@@ -137,3 +137,22 @@ def test_launch_grid_shrinks_with_rows():
     cg = compile_graph(split_kv_attention(4, 4, 2, 8, 32, splits=2, loop=2))
     assert cg.kernel_sources[0].rows_per_program == (1, 0) and cg.kernel_sources[1].rows_per_program == (1,)
     check(split_kv_attention(4, 4, 2, 8, 32, splits=2, loop=2), "float32", n_rows=3)
+
+
+def test_ops_on_running_max_are_recomputed_after_the_loop():
+    """An op on a max_last value runs in the loop with m_i and again after it with m_R."""
+    from mirage_serve.mugraph import BlockBuilder, GraphBuilder
+
+    g = GraphBuilder()
+    x = g.input("X", (4, 40))
+    b = BlockBuilder((2,), 4)
+    tx = b.input(0, (0,), 1)
+    m = b.accum("max_last", tx)
+    e = b.unary("exp", b.binary("sub", tx, m))
+    den = b.accum("rescaled_sum_last", e, m)
+    b.output(b.binary("mul", den, b.unary("exp", b.unary("neg", m))), (0,))  # sum(exp(x - m)) * exp(-m)
+    (y,) = g.customized([x], b.build())
+    graph = g.build([y])
+    (src,) = generate_source(graph)
+    assert "_post = " in src
+    check(graph, "float32")

@@ -525,7 +525,7 @@ class _Gen:
         op = self.block.ops[t - self.n_in]
         shape = self.shape_of(self.classes(t, self.kept(t)))
         if op.attr("fn") == "max_last":
-            self.emit(f'm{t} = tl.full({shape}, float("-inf"), tl.float32)')
+            self.emit(f'mx{t} = tl.full({shape}, float("-inf"), tl.float32)')
         else:
             self.emit(f"acc{t} = tl.zeros({shape}, tl.float32)")
 
@@ -541,11 +541,11 @@ class _Gen:
             xm = self.masked(x, src, (c_last,), _num(float("-inf"))) if c_last is not None else x.name
             rowmax = f"tl.max({xm}, axis={axis})" if c_last is not None else x.name
             if need_alpha:
-                self.emit(f"mprev{t} = m{t}", 2)
-            self.emit(f"m{t} = tl.maximum(m{t}, {rowmax})", 2)
+                self.emit(f"mxprev{t} = mx{t}", 2)
+            self.emit(f"mx{t} = tl.maximum(mx{t}, {rowmax})", 2)
             if need_alpha:
-                self.emit(f"alpha{t} = tl.exp(mprev{t} - m{t})", 2)
-            return _Val(f"m{t}", self.kept(t), False)
+                self.emit(f"alpha{t} = tl.exp(mxprev{t} - mx{t})", 2)
+            return _Val(f"mx{t}", self.kept(t), False)
         if fn in ("sum", "rescaled_sum"):
             contrib = x.name
         elif fn in ("sum_last", "rescaled_sum_last"):
@@ -569,7 +569,7 @@ class _Gen:
         fn = op.attr("fn")
         src = op.inputs[0]
         if fn == "max_last":
-            return _Val(f"m{t}", self.kept(t), False)
+            return _Val(f"mx{t}", self.kept(t), False)
         zero = False  # conservative: accumulated padding is re-masked where it matters
         if fn in ("mean_sq_last", "rms_last"):
             count = self.tiles[src].shape[-1] * self.block.forloop_range
