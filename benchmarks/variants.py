@@ -201,11 +201,11 @@ def gated_mlp_variants(batch: int, hidden: int, inter: int, dtype: str, wide: bo
 
 
 # The default (narrow) lists: the fastest schedules of the wide sweep on an H200 on 2026-12-02
-# (results/2026-12-02-h200-sweep.json), by spec and batch class; plus neighbours for gate/up,
+# (results/2026-12-02-h200-sweep.json, sweep2.json), by spec and batch class; plus neighbours for gate/up,
 # which the sweep did not reach.
 TUNED: dict[tuple[str, str], tuple[str, ...]] = {
     ("rmsnorm_linear", "b1"): ("fused c8 k1024 w4", "fused c8 k512 w4", "fused c16 k512 w8", "fused c4 k1024 w4", "fused c16 k1024 w4"),
-    ("rmsnorm_linear", "b>1"): ("splitk c64 s8 k256 dot", "splitk c64 s4 k256 dot", "splitk c32 s8 k256 dot", "fused c32 k512 w4 dot",
+    ("rmsnorm_linear", "b>1"): ("splitk c128 s4 k256 dot w4 st3", "splitk c64 s4 k256 dot w4 st3", "splitk c64 s8 k256 dot", "splitk c64 s4 k256 dot", "splitk c32 s8 k256 dot", "fused c32 k512 w4 dot",
                                 "fused c16 k512 w4 dot"),
     ("attention_decode", "b1"): ("splitkv s16 t64", "splitkv s32 t64", "splitkv s64 t64"),
     ("attention_decode", "b>1"): ("splitkv s16 t64", "splitkv s8 t64"),
