@@ -171,10 +171,14 @@ class ExprEngine:
 
     def kernel_op_exprs(self, op: Op, in_exprs: list[Any], in_infos: list[TensorInfo], prefix: KernelGraph) -> list[Any]:
         """Expressions of the outputs of ``op`` appended to ``prefix``."""
-        try:
-            out = self.abstract.kernel_op_expr(op, in_exprs, in_infos)
-        except (NotImplementedError, AttributeError):
-            out = None
+        out = None
+        if op.kind == "customized" and hasattr(self.abstract, "block_exprs"):
+            out = self.abstract.block_exprs(op.block, in_exprs, in_infos)[1]
+        elif op.kind != "customized":
+            try:
+                out = self.abstract.kernel_op_expr(op, in_exprs, in_infos)
+            except (NotImplementedError, AttributeError):
+                out = None
         if out is None:
             ext = KernelGraph(prefix.ops + (op,), (prefix.num_tensors,))
             return self.graph_exprs(ext)[prefix.num_tensors :]
