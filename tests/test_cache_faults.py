@@ -26,7 +26,7 @@ import pytest
 import torch
 from handwritten import fused_rmsnorm_linear
 
-from mirage_serve.cache import CacheEntry, CacheKey, KernelCache
+from mirage_serve.cache import CacheEntry, CacheError, CacheKey, KernelCache
 from mirage_serve.cache.entry import checksum_of
 from mirage_serve.cache.store import ENTRIES, REJECTED
 from mirage_serve.mugraph import GraphBuilder, graph_to_obj
@@ -227,6 +227,34 @@ def test_forged_certificate_is_caught_by_reverification(cache, caplog, which):
     # an honest entry passes the same re-verification
     cache.put(make_entry())
     assert cache.verify(make_key(), reverify, trials=2, seed=5).status == "equivalent"
+
+
+def test_genuine_certificate_transplanted_onto_another_graph_or_spec(cache, caplog):
+    verify_equivalent = _verifier()
+    if verify_equivalent is None:
+        pytest.skip("mirage_serve.verify.verify_equivalent is not in this build yet")
+    from mirage_serve.specs import build_spec
+
+    honest = fused_rmsnorm_linear(4, 64, 32, n_blocks=4, loop=2)
+    cert = verify_equivalent(honest, build_spec("rmsnorm_linear", DIMS, "float32"), trials=2, seed=3, float_check=False)
+    assert cert.verdict == "equivalent"
+    cache.put(CacheEntry.create(make_key(), honest, certificate=cert))
+    assert cache.lookup(make_key()) is not None
+
+    g = GraphBuilder()  # the same certificate on a μGraph it was not issued for
+    x, _, w = g.input("X", (4, 64)), g.input("G", (64,)), g.input("W", (32, 64))
+    wrong = g.build([g.matmul(x, w, trans_b=True)])
+    with pytest.raises(CacheError, match="certificate was issued for μGraph"):
+        CacheEntry.create(make_key(), wrong, certificate=cert)
+    obj = make_entry().to_obj()
+    obj["certificate"], obj["mugraph"] = cert.to_dict(), graph_to_obj(wrong)
+    write_obj(cache, make_key(), resign(obj))
+    expect_rejected(cache, make_key(), caplog, "certificate was issued for μGraph")
+
+    # the right μGraph and certificate, filed under a key whose spec differs (another eps): same shapes
+    other = CacheKey("rmsnorm_linear", DIMS, "float32", "sm90", options={"eps": 1e-5})
+    with pytest.raises(CacheError, match="certificate was issued against spec"):
+        CacheEntry.create(other, honest, certificate=cert)
 
 
 @pytest.mark.parametrize(

@@ -214,6 +214,23 @@ def check_graph_matches_key(graph: KernelGraph, key: CacheKey) -> None:
         raise EntryRejected(f"μGraph outputs {_fmt(g_out)} do not match spec {key.describe()} outputs {_fmt(s_out)}")
 
 
+def check_certificate_binding(cert: dict[str, Any], graph: KernelGraph, key: CacheKey) -> None:
+    """A certificate that names the graphs it was issued for (the verifier's ``candidate_hash``
+    and ``spec_hash``, content hashes) must name this μGraph and the key's spec: a genuine
+    certificate copied onto another μGraph or into another key's entry is refused."""
+    from mirage_serve.mugraph import content_hash
+    from mirage_serve.specs import build_spec
+
+    claimed = cert.get("candidate_hash")
+    if isinstance(claimed, str) and claimed and claimed != content_hash(graph):
+        raise EntryRejected(f"certificate was issued for μGraph {claimed[:16]}…, not for this entry's μGraph {content_hash(graph)[:16]}…")
+    claimed = cert.get("spec_hash")
+    if isinstance(claimed, str) and claimed:
+        actual = content_hash(build_spec(key.spec, key.dims_dict, key.dtype, **key.options_dict))
+        if claimed != actual:
+            raise EntryRejected(f"certificate was issued against spec {claimed[:16]}…, not {key.describe()} ({actual[:16]}…)")
+
+
 def _fmt(sig: list[tuple[tuple[int, ...], str]]) -> str:
     return "[" + ", ".join(f"{list(s)}:{d}" for s, d in sig) + "]"
 
@@ -362,6 +379,7 @@ class CacheEntry:
         verdict = self.certificate.get("verdict")
         if verdict != "equivalent":
             raise EntryRejected(f"certificate verdict is {str(verdict)[:40]!r}, not 'equivalent': only verified kernels may be cached")
+        check_certificate_binding(self.certificate, graph, self.key)
 
     @functools.cached_property
     def graph(self) -> KernelGraph:
