@@ -328,3 +328,14 @@ def test_entries_round_trip_through_their_file_text(params, timings, cert_extra)
     e = CacheEntry.create(make_key(), fused_rmsnorm_linear(4, 64, 32, 4, 2), certificate=cert, params=params, timings=timings)
     back = CacheEntry.from_obj(parse_entry_json(e.to_json().encode("ascii")))
     assert back == e and back.checksum == e.checksum
+
+
+def test_cli_verify_reverifies_with_the_verifier(cache, capsys):
+    pytest.importorskip("mirage_serve.verify", reason="the verifier is not in this build yet")
+    cache.put(make_entry())
+    cache.put(CacheEntry.create(make_key("sm80"), unnormalized_graph(), certificate=CERT))  # a false claim
+    rc, out, _ = cli(capsys, "verify", "--trials", "2", "--seed", "9", "--cache-dir", str(cache.root), "--no-package", "--json")
+    status = {r["id"]: r["status"] for r in json.loads(out)["results"]}
+    assert rc == 1
+    assert status == {make_key().entry_id: "equivalent", make_key("sm80").entry_id: "not_equivalent"}
+    assert cache.lookup(make_key("sm80")) is None and cache.lookup(make_key()) is not None
