@@ -40,6 +40,7 @@ def test_from_dict_is_strict():
     with pytest.raises(ValueError, match="verdict"):
         Certificate.from_dict({**d, "verdict": "probably"})
     fr = FloatReport("float16", 0, 1.0, 0.1, 0.001, 0.004, True).to_dict()
+    assert FloatReport.from_dict(fr) == FloatReport("float16", 0, 1.0, 0.1, 0.001, 0.004, True)
     with pytest.raises(ValueError, match="keys"):
         Certificate.from_dict({**d, "float_checks": [{**fr, "note": "x"}]})
 

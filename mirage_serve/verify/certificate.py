@@ -157,7 +157,10 @@ class Verifier:
             report = _float.float_check(candidate, self.spec, dtype=dtype, seed=self.seed, run_candidate=run_candidate,
                                         reference=self._float_refs[dtype])
             cert.float_checks.append(report)
-            if not report.passed:
+            if not report.conclusive:
+                cert.verdict = "unknown"
+                cert.reason = f"{res.reason}; but {report.reason}"
+            elif not report.passed:
                 cert.verdict = "not_equivalent"
                 if res.verdict == "equivalent":
                     cert.reason = f"finite-field trials agree, but the float check fails: {report.reason}"

@@ -55,6 +55,7 @@ class FloatReport:
     tolerance: float
     passed: bool
     reason: str = ""
+    conclusive: bool = True  # False: the spec's own float64 output is not finite, nothing was decided
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (non-finite errors as strings)."""
@@ -234,11 +235,14 @@ def float_check(
         reference = float_reference(spec, dtype=dtype, seed=seed, scale=scale)
     scale, ins, ref = reference.scale, reference.inputs, reference.outputs
 
-    def report(max_abs: float, rel: float, passed: bool, reason: str) -> FloatReport:
-        r = FloatReport(dtype, seed, scale, max_abs, rel, tol, passed, reason)
+    def report(max_abs: float, rel: float, passed: bool, reason: str, conclusive: bool = True) -> FloatReport:
+        r = FloatReport(dtype, seed, scale, max_abs, rel, tol, passed, reason, conclusive)
         log.info("float check %s: rel %.3g (tol %.3g), max abs %.3g: %s", dtype, rel, tol, max_abs, "pass" if passed else f"FAIL ({reason})")
         return r
 
+    for j, r in enumerate(ref):
+        if not bool(torch.isfinite(r).all()):
+            return report(math.inf, math.inf, False, f"the spec's float64 output {j} is not finite at input scale {scale}; the float check cannot decide", False)
     try:
         if run_candidate is not None:
             declared = [x.to(TORCH_DTYPES[candidate.info[t].dtype]) for x, t in zip(ins, candidate.input_ids)]
