@@ -172,6 +172,9 @@ def _run_task(task: tuple) -> dict[str, Any]:
     n_out = len(_W["spec"].outputs)
     states, structures = [], []
     for st, ex in new:
+        if budget.exhausted():
+            counters.truncated = True
+            break
         g = complete_graph(st, ex, engine, n_out)
         if g is None:
             states.append(st)

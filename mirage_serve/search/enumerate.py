@@ -987,9 +987,13 @@ def complete_graph(state: KernelState, exprs: list[Any], engine: ExprEngine, num
     and no operator is dead (every non-input tensor is consumed or an output)."""
     ops = state.ops
     n = len(exprs)
+    last = ops[-1]
+    newest = range(n - last.num_outputs, n) if last.kind != "input" else range(0)
     chosen = []
     for i in range(num_outputs):
-        match = next((t for t in range(n) if ops_kind_of(state, t) != "input" and engine.matches(exprs[t], i)), None)
+        # only the newest operator's tensors can complete the graph: older ones were checked when they appeared
+        pool = list(newest) if num_outputs == 1 else [t for t in range(n) if ops_kind_of(state, t) != "input"]
+        match = next((t for t in pool if engine.matches(exprs[t], i)), None)
         if match is None:
             return None
         chosen.append(match)
