@@ -75,3 +75,20 @@ def fused_gated_mlp(batch: int, hidden: int, inter: int, n_blocks: int, loop: in
     b.output(b.binary("mul", b.unary("silu", ag), au), (1,))
     (y,) = g.customized([x, wg, wu], b.build())
     return g.build([y])
+
+
+def fused_add_rmsnorm_linear(batch: int, hidden: int, out: int, n_blocks: int, loop: int, eps: float = 1e-6, dtype: str = "float32") -> KernelGraph:
+    """Two kernels: the residual add (H = X + R) with its own grid, then the fused RMSNorm→matmul on H."""
+    g = GraphBuilder()
+    x, r = g.input("X", (batch, hidden), dtype), g.input("R", (batch, hidden), dtype)
+    gn, w = g.input("G", (hidden,), dtype), g.input("W", (out, hidden), dtype)
+    a = BlockBuilder((n_blocks,), 1)
+    a.output(a.binary("add", a.input(0, (1,), -1), a.input(1, (1,), -1)), (1,))
+    (h,) = g.customized([x, r], a.build())
+    b = BlockBuilder((n_blocks,), loop)
+    th, tg, tw = b.input(0, (-1,), 1), b.input(1, (-1,), 0), b.input(2, (0,), 1)
+    acc = b.accum("sum", b.matmul(b.binary("mul", th, tg), tw, trans_b=True))
+    ms = b.accum("mean_sq_last", th)
+    b.output(b.binary("mul", acc, b.unary("rsqrt", b.unary("add_scalar", ms, scalar=eps))), (1,))
+    (y,) = g.customized([h, gn, w], b.build())
+    return g.build([h, y])
