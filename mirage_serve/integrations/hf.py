@@ -106,7 +106,7 @@ class FusedNormLinear(nn.Module):
         super().__init__()
         self.original = norm
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("bias", bias)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.splits = splits
         self.offsets = [sum(splits[:i]) for i in range(len(splits) + 1)]
         self.eps = eps
