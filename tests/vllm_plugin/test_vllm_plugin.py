@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.entrypoints")
 
 from handwritten import fused_add_rmsnorm_linear, fused_rmsnorm_linear  # noqa: E402
 
