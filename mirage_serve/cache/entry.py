@@ -32,7 +32,7 @@ from typing import Any
 
 from mirage_serve.cache.keys import SCHEMA_VERSION, CacheKey, CacheKeyError
 from mirage_serve.mugraph import KernelGraph, MuGraphError, graph_from_obj, graph_to_obj
-from mirage_serve.mugraph.serialize import MAX_JSON_DEPTH
+from mirage_serve.mugraph.serialize import MAX_JSON_DEPTH, json_depth
 
 ENTRY_FORMAT = "mirage-serve.kernel-cache-entry"
 #: Entry files larger than this are rejected unread (a 4096-operator μGraph is far smaller).
@@ -75,22 +75,6 @@ def checksum_of(body: dict[str, Any]) -> str:
     """``sha256:<hex>`` over the canonical JSON of an entry object without its ``checksum``."""
     rest = {k: v for k, v in body.items() if k != "checksum"}
     return "sha256:" + hashlib.sha256(canonical_json(rest).encode("ascii")).hexdigest()
-
-
-def json_depth(obj: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value (iterative; stops counting past ``limit``)."""
-    stack = [(obj, 1)]
-    deepest = 0
-    while stack:
-        o, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > limit:
-            return d
-        if isinstance(o, dict):
-            stack.extend((v, d + 1) for v in o.values())
-        elif isinstance(o, list):
-            stack.extend((v, d + 1) for v in o)
-    return deepest
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

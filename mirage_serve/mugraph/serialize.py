@@ -136,7 +136,8 @@ def _block_from_obj(obj: Any, where: str) -> BlockGraph:
     )
 
 
-def _depth(obj: Any, limit: int) -> int:
+def json_depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value (iterative; stops counting past ``limit``)."""
     stack = [(obj, 1)]
     deepest = 0
     while stack:
@@ -153,7 +154,7 @@ def _depth(obj: Any, limit: int) -> int:
 
 def graph_from_obj(obj: Any) -> KernelGraph:
     """Parse and validate the canonical object form."""
-    if _depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    if json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise MuGraphError(f"malformed μGraph JSON: nested deeper than {MAX_JSON_DEPTH} levels")
     _expect(obj, dict, "top level")
     _keys(obj, {"format", "version", "kernel"}, set(), "top level")
