@@ -3,9 +3,11 @@
 For every case (spec x shape) it times, in one run on one GPU, rotating through
 enough input sets to keep weights and KV out of L2:
 
-* ``ours``: every schedule variant from :mod:`variants` compiled by
-  ``mirage_serve.codegen``, each float-checked against the float64 reference
-  first; the fastest passing one is "ours" for the case;
+* ``ours``: the candidate μGraphs of :mod:`variants` (schedules), their codegen
+  parameters searched by :func:`mirage_serve.tune.search.tune` (every point
+  compiled by ``mirage_serve.codegen`` in parallel worker processes first, then
+  float-checked against the float64 reference and timed here); the fastest
+  passing point is "ours" for the case;
 * stock code: transformers' ``LlamaRMSNorm`` + ``nn.Linear`` (or SDPA and
   transformers' eager attention, or an ``nn.Linear`` LoRA / gated MLP), eager
   and under a CUDA graph; ``torch.compile`` (default, and
@@ -65,7 +67,7 @@ class Case:
     dims: dict[str, int]
     label: str
     max_autotune: bool = False  # torch.compile max-autotune-no-cudagraphs is slow to tune: only where asked
-    variants: list[V.Variant] = field(default_factory=list)
+    candidates: list[V.Candidate] = field(default_factory=list)
 
     def contenders(self) -> list[str]:
         return [c for c, specs in CONTENDERS.items() if self.spec in specs and (c != "compile_max_graph" or self.max_autotune)]
@@ -88,8 +90,8 @@ def all_cases() -> list[Case]:
     return cases
 
 
-def plan(specs: list[str] | None = None, labels: list[str] | None = None, wide: bool = False, max_autotune: str = "some") -> list[Case]:
-    """The cases to run, each with its variants generated (CPU only)."""
+def plan(specs: list[str] | None = None, labels: list[str] | None = None, max_autotune: str = "some") -> list[Case]:
+    """The cases to run, each with its candidate μGraphs generated (CPU only)."""
     out = []
     for c in all_cases():
         if specs and c.spec not in specs:
@@ -97,7 +99,7 @@ def plan(specs: list[str] | None = None, labels: list[str] | None = None, wide: 
         if labels and not any(lab in c.label for lab in labels):
             continue
         c.max_autotune = {"none": False, "all": c.spec in CONTENDERS["compile_max_graph"], "some": c.max_autotune}[max_autotune]
-        c.variants = V.variants_for(c.spec, c.dims, DTYPE, wide)
+        c.candidates = V.candidates_for(c.spec, c.dims, DTYPE)
         out.append(c)
     if specs:  # run in the order asked for
         out.sort(key=lambda c: specs.index(c.spec))
@@ -105,15 +107,17 @@ def plan(specs: list[str] | None = None, labels: list[str] | None = None, wide: 
 
 
 def describe_plan(cases: list[Case]) -> list[dict[str, Any]]:
-    """What a run would time, with the cost model's estimate for each variant (no GPU needed)."""
+    """What a run would tune first (round 1 of the search), with the cost model's estimate for each point (no GPU needed)."""
+    from mirage_serve.tune.search import first_round
+
     rows = []
     for c in cases:
         spec = build_spec(c.spec, c.dims, dtype=DTYPE)
         rows.append({
             "label": c.label, "spec": c.spec, "dims": c.dims, "contenders": c.contenders(),
             "floor_bytes": floor_bytes(spec),
-            "variants": [{"name": v.name, "params": v.params, "schedule": v.schedule,
-                          "model_us": round(estimate(v.graph, v.params).time_s * 1e6, 2)} for v in c.variants],
+            "variants": [{"name": t.candidate.name, "params": t.params, "schedule": t.candidate.schedule,
+                          "model_us": round(estimate(t.candidate.graph, t.params).time_s * 1e6, 2)} for t in first_round(c.candidates)],
         })
     return rows
 
@@ -243,8 +247,7 @@ def _cuda_alive() -> bool:
         return False
 
 
-def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozenset[str] = frozenset(),
-             inflight: Path | None = None) -> dict[str, Any]:
+def run_case(case: Case, args, copy_bw: float, deadline: float, precompiler=None, precompiled=None) -> dict[str, Any]:
     import torch
 
     from mirage_serve.tune.profile import make_params, random_device_inputs
@@ -289,60 +292,46 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, crashed: frozens
             res["contenders"][name] = entry
             log.info("%s %-20s %s", case.label, name, entry.get("median_us"))
 
-        from mirage_serve import codegen
-        from mirage_serve.mugraph import content_hash
+        if not args.no_variants and case.candidates:
+            from mirage_serve.tune.search import tune
 
-        supports = getattr(codegen, "supports", None)
-        seen: dict[tuple[str, str], str] = {}
-        for v in [] if args.no_variants else case.variants:
-            entry = {"name": v.name, "params": v.params, "schedule": v.schedule, "model_us": estimate(v.graph, v.params).time_s * 1e6}
-            res["variants"].append(entry)
-            if time.time() > deadline:
-                entry["skipped"] = "time budget"
-                continue
-            if v.name in crashed:
-                entry["error"] = "crashed the CUDA context in an earlier attempt of this run"
-                continue
-            try:
-                key = (content_hash(v.graph), repr(make_params(v.params)))
-            except ImportError:  # no CodegenParams: compile_graph below reports it
-                key = (content_hash(v.graph), repr(v.params))
-            if key in seen:  # codegen ignores a param that tells these apart
-                entry["skipped"] = f"same kernel as {seen[key]}"
-                continue
-            seen[key] = v.name
-            if supports is not None:
-                ok = supports(v.graph)
-                ok, why = (ok if isinstance(ok, tuple) else (bool(ok), None))
-                if not ok:
-                    entry["skipped"] = f"codegen does not support it: {why}"
-                    continue
-            if inflight is not None:
-                inflight.write_text(json.dumps({"label": case.label, "variant": v.name}))
-            try:
-                t0 = time.perf_counter()
-                compiled = codegen.compile_graph(v.graph, make_params(v.params))
-                o = compiled(*sets[0])
-                torch.cuda.synchronize()
-                entry["compile_s"] = round(time.perf_counter() - t0, 2)
-                entry["rel_error"] = relative_error(o[0], ref("spec"))
-                entry["passed"] = entry["rel_error"] <= tol
-                if entry["passed"]:
-                    t = time_calls(compiled, sets, cuda_graph=True, reps=args.reps)
-                    entry.update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us)
-            except Exception as e:  # a variant that fails to compile or run loses, with the reason kept
-                log.warning("%s variant %s failed: %s", case.label, v.name, e)
-                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                if not _cuda_alive():
-                    log.error("variant %s of %s broke the CUDA context; rerun with --resume to go on without it", v.name, case.label)
-                    raise SystemExit(3) from e
-            if inflight is not None:
-                inflight.unlink(missing_ok=True)
-            log.info("%s %-20s %s err=%s", case.label, v.name, entry.get("median_us"), entry.get("rel_error"))
+            def record(t) -> None:
+                r = t.result
+                entry = {"name": t.candidate.name, "params": t.params, "round": t.round, "schedule": t.candidate.schedule,
+                         "model_us": estimate(t.candidate.graph, t.params).time_s * 1e6, "compile": t.compile}
+                for k in ("rel_error", "passed", "median_us", "p20_us", "p80_us", "error", "skipped", "compile_s"):
+                    if r.get(k) is not None:
+                        entry[k] = r[k]
+                res["variants"].append(entry)
+                log.info("%s %-44s %s err=%s", case.label, t.label, entry.get("median_us"), entry.get("rel_error"))
+
+            tune(case.candidates, spec, device="cuda", reps=args.reps, top=args.top, precompiler=precompiler, deadline=deadline,
+                 precompiled=precompiled, on_trial=record)
+            if not _cuda_alive():
+                log.error("a candidate of %s broke the CUDA context", case.label)
+                raise SystemExit(3)
     passed = [v for v in res["variants"] if v.get("passed") and "median_us" in v]
     if passed:
         best = min(passed, key=lambda v: v["median_us"])
-        res["ours"] = {"variant": best["name"], "median_us": best["median_us"], "rel_error": best["rel_error"]}
+        res["ours"] = {"variant": best["name"], "params": best["params"], "tuning_us": best["median_us"], "tuning_rel_error": best["rel_error"]}
+        try:  # the chosen point measured again like the stock contenders: their input sets, their reference
+            from mirage_serve.codegen import compile_graph
+            from mirage_serve.tune.profile import make_params
+
+            cand = next(c for c in case.candidates if c.name == best["name"])
+            with torch.no_grad():
+                compiled = compile_graph(cand.graph, make_params(best["params"]), cand.variable_dims)
+                o = compiled(*sets[0])[0]
+                torch.cuda.synchronize()
+                err = relative_error(o, ref("spec"))
+                res["ours"]["rel_error"] = err
+                if err <= tol:
+                    t = time_calls(compiled, sets, cuda_graph=True, reps=args.reps)
+                    res["ours"].update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us)
+                else:
+                    res["ours"]["error"] = f"float check on the benchmark's inputs failed: {err:.3g} > {tol:.3g}"
+        except Exception as e:  # recorded; the case then has no "ours" time
+            res["ours"]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     res["targets"] = evaluate_targets(res)
     res["complete"] = True
     res["model_rank_correlation"] = rank_correlation([(v["model_us"], v["median_us"]) for v in passed])
@@ -522,31 +511,30 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--specs", nargs="*", help="only these spec families (rmsnorm_linear, attention_decode, lora_linear, gated_mlp)")
     p.add_argument("--cases", nargs="*", help="only cases whose label contains one of these strings")
-    p.add_argument("--wide", action="store_true", help="sweep many more schedule variants per case")
     p.add_argument("--max-autotune", choices=("none", "some", "all"), default="some",
                    help="where to also time torch.compile max-autotune-no-cudagraphs (slow to tune): 'some' = QKV and rank-16 LoRA")
     p.add_argument("--contenders", nargs="*", help="only these stock contenders (default: all that apply)")
     p.add_argument("--no-variants", action="store_true", help="time the stock contenders only")
-    p.add_argument("--dry-run", action="store_true", help="list the cases, contenders and variants (with cost-model estimates); no GPU")
+    p.add_argument("--dry-run", action="store_true", help="list the cases, contenders and first-round tuning points (with cost-model estimates); no GPU")
     p.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parent / "results")), help="directory for JSON/markdown/plot")
     p.add_argument("--tag", default="run", help="file name tag: kernels-<tag>.json")
     p.add_argument("--reps", type=int, default=50, help="timed CUDA-graph replays per contender")
+    p.add_argument("--top", type=int, default=2, help="candidates whose parameters the tuner refines after the first round")
+    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes compiling kernels in parallel")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=520.0, help="stop starting new measurements after this many seconds")
     p.add_argument("--deadline-epoch", type=float, default=None, help="absolute deadline (time.time()), overrides --budget-s")
-    p.add_argument("--resume", action="store_true", help="keep the finished cases of an earlier attempt with the same --out/--tag and skip "
-                   "the variant that broke the CUDA context")
 
 
 def run(args: argparse.Namespace) -> int:
-    cases = plan(args.specs, args.cases, args.wide, args.max_autotune)
+    cases = plan(args.specs, args.cases, args.max_autotune)
     if args.dry_run:
         rows = describe_plan(cases)
         for r in rows:
             print(f"{r['label']:<22} {r['spec']:<17} floor {r['floor_bytes'] / 1e6:8.2f} MB  contenders: {', '.join(r['contenders'])}")
             for v in r["variants"]:
-                print(f"    {v['name']:<24} model {v['model_us']:8.2f} us   {v['schedule']}")
-        print(f"{len(rows)} cases, {sum(len(r['variants']) for r in rows)} variants, "
+                print(f"    {v['name']:<24} {str(v['params']):<48} model {v['model_us']:8.2f} us   {v['schedule']}")
+        print(f"{len(rows)} cases, {sum(len(r['variants']) for r in rows)} first-round tuning points, "
               f"{sum(len(r['contenders']) for r in rows)} stock measurements")
         return 0
     import torch
@@ -559,6 +547,7 @@ def run(args: argparse.Namespace) -> int:
     torch._dynamo.config.cache_size_limit = 256  # one compiled module per input set must not fall back to eager
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
+    from mirage_serve.tune.search import Precompiler, first_round
     from mirage_serve.tune.timing import copy_bandwidth
 
     start = time.monotonic()
@@ -566,32 +555,26 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"kernels-{args.tag}.json", out / f"kernels-{args.tag}.md"
-    inflight = out / f"kernels-{args.tag}.inflight"
-    crashed: dict[str, set[str]] = {}
-    if args.resume and jpath.is_file():
-        report = json.loads(jpath.read_text())
-        report["cases"] = [c for c in report["cases"] if c.get("complete")]
-        crashed = {k: set(v) for k, v in report.get("crashed", {}).items()}
-        if inflight.is_file():
-            last = json.loads(inflight.read_text())
-            crashed.setdefault(last["label"], set()).add(last["variant"])
-            inflight.unlink()
-        report["crashed"] = {k: sorted(v) for k, v in crashed.items()}
-        copy_bw = report["environment"]["copy_bandwidth_tb_s"] * 1e12
-    else:
-        copy_bw = copy_bandwidth()
-        report = {"environment": environment(copy_bw), "cases": []}
-    done = {c["label"] for c in report["cases"]}
-    for case in cases:
-        if case.label in done:
-            continue
-        t0 = time.monotonic()
-        res = run_case(case, args, copy_bw, deadline, frozenset(crashed.get(case.label, ())), inflight)
-        res["wall_s"] = round(time.monotonic() - t0, 1)
-        report["cases"].append(res)
-        jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
-        print(f"[{time.monotonic() - start:6.1f}s] {case.label}: ours {_fmt(_t(res, 'ours'))} ({res.get('ours', {}).get('variant')}) "
-              + " ".join(f"{c}={_fmt(_t(res, c))}" for c in COLUMNS[1:] if _t(res, c) is not None) + f" floor={_fmt(res['floor_us'])}", flush=True)
+    copy_bw = copy_bandwidth()
+    report = {"environment": environment(copy_bw), "cases": []}
+    precompiler = Precompiler(args.workers)
+    rounds1 = {c.label: first_round(c.candidates) for c in cases} if not args.no_variants else {}
+    t0 = time.monotonic()
+    precompiler.compile([t for ts in rounds1.values() for t in ts])  # before any timing: compilation never overlaps a measurement
+    report["environment"]["precompile_s"] = round(time.monotonic() - t0, 1)
+    print(f"[{time.monotonic() - start:6.1f}s] compiled {sum(map(len, rounds1.values()))} first-round points with {args.workers} workers", flush=True)
+    try:
+        for case in cases:
+            t0 = time.monotonic()
+            res = run_case(case, args, copy_bw, deadline, precompiler, rounds1.get(case.label))
+            res["wall_s"] = round(time.monotonic() - t0, 1)
+            report["cases"].append(res)
+            jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
+            print(f"[{time.monotonic() - start:6.1f}s] {case.label}: ours {_fmt(_t(res, 'ours'))} ({res.get('ours', {}).get('variant')} "
+                  f"{res.get('ours', {}).get('params')}) "
+                  + " ".join(f"{c}={_fmt(_t(res, c))}" for c in COLUMNS[1:] if _t(res, c) is not None) + f" floor={_fmt(res['floor_us'])}", flush=True)
+    finally:
+        precompiler.close()
     mpath.write_text(markdown(report))
     plot(report, out / f"kernels-{args.tag}.png")
     print(markdown(report))

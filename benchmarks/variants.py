@@ -1,20 +1,22 @@
-"""Schedule variants of the serving specs, generated programmatically for the benchmark.
+"""Candidate μGraphs (schedules) of the serving specs, generated programmatically for the benchmark.
 
 These are *not* search results: they are the hand-written fused μGraphs of
-``tests/handwritten.py`` (imported by path) instantiated over grid sizes, loop
-ranges and warps, plus a few schedules written here (split-K RMSNorm→Linear with
-a combine kernel, a two-kernel LoRA). Every variant is checked against the
-float64 reference of its spec in the same GPU run that times it.
+``tests/handwritten.py`` (imported by path) instantiated over grid sizes and
+loop ranges, plus a few schedules written here (split-K RMSNorm→Linear with a
+combine kernel, a two-kernel LoRA, split-KV attention whose combine also splits
+the head dim), all built with the μGraph builders, i.e. forms the search can
+express. One rule per spec derives them from the shapes (never from a case
+label); codegen parameters are not chosen here: :func:`mirage_serve.tune.search.tune`
+searches them on the GPU for every candidate, float-checking each point.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mirage_serve.mugraph import BlockBuilder, GraphBuilder, KernelGraph
 
@@ -38,14 +40,7 @@ def _load_handwritten():
 hw = _load_handwritten()
 
 
-@dataclass
-class Variant:
-    """One μGraph plus codegen params to compile it with."""
-
-    name: str
-    graph: KernelGraph
-    params: dict[str, Any] = field(default_factory=dict)
-    schedule: str = ""
+from mirage_serve.tune.search import Candidate  # noqa: E402
 
 
 # ---------------------------------------------------------------- schedules written here
@@ -97,56 +92,41 @@ def two_kernel_lora(batch: int, k: int, n: int, rank: int, n_blocks: int, loop: 
     return g.build([y])
 
 
-# ---------------------------------------------------------------- variant lists per spec
+def split_kv_attention_ds(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, splits: int, loop: int,
+                          d_split: int, dtype: str = "float32") -> KernelGraph:
+    """Flash-decoding as ``tests/handwritten.split_kv_attention`` but the combine kernel also splits
+    the head dim over ``d_split`` programs per KV head (more, smaller programs reading the partials)."""
+    group, bk = q_heads // kv_heads, batch * kv_heads
+    g = GraphBuilder()
+    q = g.input("Q", (bk, group, head_dim), dtype)
+    k = g.input("K", (bk, kv_len, head_dim), dtype)
+    v = g.input("V", (bk, kv_len, head_dim), dtype)
+    b = BlockBuilder((bk, splits), loop)
+    tq, tk, tv = b.input(0, (0, -1), -1), b.input(1, (0, 1), 1), b.input(2, (0, 1), 1)
+    s = b.unary("mul_scalar", b.matmul(tq, tk, trans_b=True), scalar=1.0 / math.sqrt(head_dim))
+    m = b.accum("max_last", s)
+    p = b.unary("exp", b.binary("sub", s, m))
+    lsum = b.accum("rescaled_sum_last", p, m)
+    o = b.accum("rescaled_sum", b.matmul(p, tv), m)
+    for t in (m, lsum, o):
+        b.output(t, (0, -1))
+    pm, pl, po = g.customized([q, k, v], b.build())  # [splits, bk, group, 1|d]
+    c = BlockBuilder((bk, d_split), 1)
+    cm, cl, co = c.input(0, (1, -1), -1), c.input(1, (1, -1), -1), c.input(2, (1, 3), -1)
+    mx = c.reduce("max", cm, 0)
+    f = c.unary("exp", c.binary("sub", cm, mx))
+    num = c.reduce("sum", c.binary("mul", co, f), 0, keepdim=False)
+    den = c.reduce("sum", c.binary("mul", cl, f), 0, keepdim=False)
+    c.output(c.binary("div", num, den), (0, 2))
+    (out,) = g.customized([pm, pl, po], c.build())
+    return g.build([out])
+
+
+# ---------------------------------------------------------------- candidates per spec
 
 
 def _divides(n: int, d: int) -> bool:
     return d >= 1 and n % d == 0
-
-
-DOT16 = {"matmul": "dot", "dot_precision": "input"}  # tl.dot on bf16 operands, rows padded to 16
-
-
-def rmsnorm_linear_variants(batch: int, hidden: int, out: int, dtype: str, wide: bool = False) -> list[Variant]:
-    """GEMV-style fused kernels (4-32 columns a program over the whole K, K chunks 256-1024),
-    and split-K schedules with a combine kernel for batches above 1; above batch 1 both
-    GEMV math (``fma``) and ``tl.dot`` on narrow tiles."""
-    vs: list[Variant] = []
-    cols = (4, 8, 16, 32) if wide else ((8, 16) if batch == 1 else (16, 32))
-    chunks = (256, 512, 1024) if wide else (512,)
-    warps = (4, 8) if wide else (4,)
-    # the first mode gets the full sweep; from 16 rows on GEMV math is the slow one (0.4 ms at batch 32), so it goes last
-    modes: list[dict[str, Any]] = [{}] if batch == 1 else ([{"matmul": "fma"}, DOT16] if batch < 16 else [DOT16, {"matmul": "fma"}])
-
-    def fused(c: int, kc: int, nw: int, mode: dict[str, Any]) -> None:
-        if _divides(out, c) and _divides(hidden, kc):
-            tag = "" if not mode else f" {mode['matmul']}"
-            vs.append(Variant(f"fused c{c} k{kc} w{nw}{tag}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, dtype=dtype),
-                              {"num_warps": nw, **mode}, "one kernel, GEMV/dot over whole K"))
-
-    for i, mode in enumerate(modes):
-        for c, kc, nw in itertools.product(cols, chunks, warps):
-            if i == 0 or not wide or (kc == 512 and nw == 4):
-                fused(c, kc, nw, mode)
-    if batch > 1 or wide:
-        for mode in modes:
-            for c, s in itertools.product((32, 64) if wide else (64,), (2, 4, 8) if wide else (4,)):
-                kc = 256 if hidden // s >= 256 else hidden // s
-                if _divides(out, c) and _divides(hidden, s * kc):
-                    nb = out // c
-                    tag = "" if not mode else f" {mode['matmul']}"
-                    vs.append(Variant(f"splitk c{c} s{s} k{kc}{tag}",
-                                      split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
-                                      {"num_warps": 4, **mode}, "split-K partials + combine kernel"))
-    if batch > 1 and wide:  # pipelining depth, warps and wider column tiles for the tl.dot split-K schedule
-        for c, s, nw, ns in ((64, 4, 4, 3), (64, 4, 4, 4), (64, 4, 8, 3), (64, 8, 4, 3), (128, 4, 4, 3), (128, 4, 8, 3), (128, 8, 8, 3)):
-            kc = 256
-            if _divides(out, c) and _divides(hidden, s * kc):
-                nb = out // c
-                vs.append(Variant(f"splitk c{c} s{s} k{kc} dot w{nw} st{ns}",
-                                  split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
-                                  {"num_warps": nw, "num_stages": ns, **DOT16}, "split-K partials + combine kernel"))
-    return vs
 
 
 def _combine_blocks(out: int, n_blocks: int) -> int:
@@ -157,82 +137,74 @@ def _combine_blocks(out: int, n_blocks: int) -> int:
     return 1
 
 
-def attention_variants(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str, wide: bool = False) -> list[Variant]:
-    """Flash-decoding split-KV schedules: enough splits for 128-2048 programs, 64 or 128 keys an iteration."""
+def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str) -> list[Candidate]:
+    """One kernel over the whole K (few columns a program, long K chunks for one row: GEMV-shaped;
+    wider column tiles, shorter chunks for tile matmuls), and split-K partials with a combine kernel."""
+    cs: list[Candidate] = []
+    gemv = batch == 1
+    for c, kc in itertools.product((4, 8, 16) if gemv else (16, 32, 64), (512, 1024) if gemv else (128, 256)):
+        if _divides(out, c) and _divides(hidden, kc):
+            cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, dtype=dtype),
+                                "one kernel, whole K a program"))
+    for c, s in ((64, 4), (64, 8)) if gemv else ((64, 4), (64, 8), (128, 2), (128, 4)):
+        kc = min(256, hidden // s)
+        if _divides(out, c) and _divides(hidden, s * kc):
+            nb = out // c
+            cs.append(Candidate(f"splitk c{c} s{s} k{kc}",
+                                split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
+                                "split-K partials + combine kernel"))
+    return cs
+
+
+ATTENTION_VARIABLE_DIMS = ((1, 1), (2, 1))  # K and V: the KV length may be any size up to the bucket
+
+
+def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str) -> list[Candidate]:
+    """Flash-decoding split-KV schedules with 64-1024 programs, 64 or 128 keys an iteration (32 where a
+    split has at most 128), combine over whole heads or head-dim quarters; every one serves any KV
+    length up to ``kv_len``."""
     bk = batch * kv_heads
-    vs: list[Variant] = []
-    for splits in (2, 4, 8, 16, 32, 64, 128, 256):  # the combine kernel expects a partial dim
+    cs: list[Candidate] = []
+    for splits in (2, 4, 8, 16, 32, 64, 128):
         per = kv_len // splits
-        if not (64 <= bk * splits <= 1024) or kv_len % splits or per < 64:
+        if not (64 <= bk * splits <= 1024) or kv_len % splits or per < 32 or (per < 256 and bk * splits < 128 and kv_len > 2048):
             continue
-        for keys in ((64, 128) if wide else ((128,) if per >= 256 else (64,))):
-            if per % keys == 0:
-                vs.append(Variant(f"splitkv s{splits} t{keys}", hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype),
-                                  {"num_warps": 4}, "split-KV online softmax + combine"))
-                if wide and keys == 64:
-                    for nw, ns in ((8, 2), (4, 3)):
-                        vs.append(Variant(f"splitkv s{splits} t{keys} w{nw} st{ns}",
-                                          hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype),
-                                          {"num_warps": nw, "num_stages": ns}, "split-KV online softmax + combine"))
-    return vs
+        for keys, ds in itertools.product((32, 64, 128), (1, 4)):
+            if per % keys or head_dim % ds or (keys == 32 and per > 128):
+                continue
+            g = (hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype) if ds == 1
+                 else split_kv_attention_ds(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, ds, dtype=dtype))
+            cs.append(Candidate(f"splitkv s{splits} t{keys} cd{ds}", g, "split-KV online softmax + combine", ATTENTION_VARIABLE_DIMS))
+    return cs
 
 
-def lora_variants(batch: int, k: int, n: int, rank: int, dtype: str, wide: bool = False) -> list[Variant]:
-    vs: list[Variant] = []
-    for mode in [{}] if batch == 1 else [{}, DOT16]:
-        tag = "" if not mode else " dot"
-        for c in (8, 16, 32) if wide else (16, 32):
-            if _divides(n, c):
-                vs.append(Variant(f"fused c{c} k512{tag}", hw.fused_lora(batch, k, n, rank, n // c, k // 512, dtype=dtype),
-                                  {"num_warps": 4, **mode}, "one kernel, A re-read per block"))
-                vs.append(Variant(f"2kernel c{c} k512{tag}", two_kernel_lora(batch, k, n, rank, n // c, k // 512, 16, k // (16 * 256), dtype=dtype),
-                                  {"num_warps": 4, **mode}, "split-K X@A^T, then GEMV with low-rank epilogue"))
-    return vs
+def lora_candidates(batch: int, k: int, n: int, rank: int, dtype: str) -> list[Candidate]:
+    cs: list[Candidate] = []
+    for c in (8, 16, 32):
+        if _divides(n, c) and _divides(k, 512):
+            cs.append(Candidate(f"fused c{c} k512", hw.fused_lora(batch, k, n, rank, n // c, k // 512, dtype=dtype), "one kernel, A re-read per block"))
+            cs.append(Candidate(f"2kernel c{c} k512", two_kernel_lora(batch, k, n, rank, n // c, k // 512, 16, k // (16 * 256), dtype=dtype),
+                                "split-K X@A^T, then GEMV with low-rank epilogue"))
+    return cs
 
 
-def gated_mlp_variants(batch: int, hidden: int, inter: int, dtype: str, wide: bool = False) -> list[Variant]:
-    vs: list[Variant] = []
-    for mode in [{}] if batch == 1 else [{}, DOT16]:
-        tag = "" if not mode else " dot"
-        for c, kc in itertools.product((8, 16, 32) if wide else (8, 16), (512, 1024) if wide else (512,)):
-            if _divides(inter, c) and _divides(hidden, kc):
-                vs.append(Variant(f"fused c{c} k{kc}{tag}", hw.fused_gated_mlp(batch, hidden, inter, inter // c, hidden // kc, dtype=dtype),
-                                  {"num_warps": 4, **mode}, "one kernel, both matmuls share the X tile"))
-    return vs
+def gated_mlp_candidates(batch: int, hidden: int, inter: int, dtype: str) -> list[Candidate]:
+    cs: list[Candidate] = []
+    for c, kc in itertools.product((8, 16, 32), (512, 1024)):
+        if _divides(inter, c) and _divides(hidden, kc):
+            cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_gated_mlp(batch, hidden, inter, inter // c, hidden // kc, dtype=dtype),
+                                "one kernel, both matmuls share the X tile"))
+    return cs
 
 
-# The default (narrow) lists: the fastest schedules of the wide sweep on an H200 on 2026-12-02
-# (results/2026-12-02-h200-sweep.json, sweep2.json), by spec and batch class; plus neighbours for gate/up,
-# which the sweep did not reach.
-TUNED: dict[tuple[str, str], tuple[str, ...]] = {
-    ("rmsnorm_linear", "b1"): ("fused c8 k1024 w4", "fused c8 k512 w4", "fused c16 k512 w8", "fused c4 k1024 w4", "fused c16 k1024 w4"),
-    ("rmsnorm_linear", "b>1"): ("splitk c128 s4 k256 dot w4 st3", "splitk c64 s4 k256 dot w4 st3", "splitk c64 s8 k256 dot", "splitk c64 s4 k256 dot", "splitk c32 s8 k256 dot", "fused c32 k512 w4 dot",
-                                "fused c16 k512 w4 dot"),
-    ("attention_decode", "b1"): ("splitkv s16 t64", "splitkv s32 t64", "splitkv s64 t64"),
-    ("attention_decode", "b>1"): ("splitkv s16 t64", "splitkv s8 t64"),
-    ("lora_linear", "b1"): ("2kernel c8 k512", "fused c16 k512", "2kernel c16 k512"),
-    ("lora_linear", "b>1"): ("2kernel c32 k512 dot", "fused c32 k512 dot", "2kernel c16 k512 dot"),
-    ("gated_mlp", "b1"): ("fused c8 k1024", "fused c16 k1024", "fused c8 k512"),
-    ("gated_mlp", "b>1"): ("fused c32 k512 dot", "fused c16 k512 dot"),
-}
-
-
-def variants_for(spec: str, dims: dict[str, int], dtype: str, wide: bool = False) -> list[Variant]:
-    """The variants the benchmark times for one case: the whole sweep with ``wide``, else the tuned few."""
-    vs = _all_variants(spec, dims, dtype)
-    if wide:
-        return vs
-    picked = TUNED[(spec, "b1" if dims["batch"] == 1 else "b>1")]
-    return [v for v in vs if v.name in picked]
-
-
-def _all_variants(spec: str, dims: dict[str, int], dtype: str, wide: bool = True) -> list[Variant]:
+def candidates_for(spec: str, dims: dict[str, int], dtype: str) -> list[Candidate]:
+    """The candidate μGraphs the benchmark tunes for one case."""
     if spec == "rmsnorm_linear":
-        return rmsnorm_linear_variants(dims["batch"], dims["hidden"], dims["out"], dtype, wide)
+        return rmsnorm_linear_candidates(dims["batch"], dims["hidden"], dims["out"], dtype)
     if spec == "attention_decode":
-        return attention_variants(dims["batch"], dims["q_heads"], dims["kv_heads"], dims["head_dim"], dims["kv_len"], dtype, wide)
+        return attention_candidates(dims["batch"], dims["q_heads"], dims["kv_heads"], dims["head_dim"], dims["kv_len"], dtype)
     if spec == "lora_linear":
-        return lora_variants(dims["batch"], dims["in"], dims["out"], dims["rank"], dtype, wide)
+        return lora_candidates(dims["batch"], dims["in"], dims["out"], dims["rank"], dtype)
     if spec == "gated_mlp":
-        return gated_mlp_variants(dims["batch"], dims["hidden"], dims["intermediate"], dtype, wide)
-    raise ValueError(f"no variants for spec {spec!r}")
+        return gated_mlp_candidates(dims["batch"], dims["hidden"], dims["intermediate"], dtype)
+    raise ValueError(f"no candidates for spec {spec!r}")

@@ -156,3 +156,91 @@ def test_ops_on_running_max_are_recomputed_after_the_loop():
     (src,) = generate_source(graph)
     assert "_post = " in src
     check(graph, "float32")
+
+
+KNOBS = {
+    "dot-native": CodegenParams(matmul="dot", dot_precision="input"),
+    "dot-swap": CodegenParams(matmul="dot", dot_precision="input", dot_swap=1),
+    "chunks": CodegenParams(k_chunks=2),
+    "dot-chunks": CodegenParams(matmul="dot", dot_precision="input", k_chunks=2),
+}
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+@pytest.mark.parametrize("name", ["rmsnorm_linear_dot_b16", "split_kv_attention", "lora", "gated_mlp", "split_k_rmsnorm_linear"])
+def test_codegen_knobs_keep_the_function(name, knobs):
+    check(_graphs("bfloat16")[name], "bfloat16", KNOBS[knobs])
+
+
+def test_native_dot_reads_16_bit_operands_directly():
+    g = fused_rmsnorm_linear(16, 64, 32, n_blocks=2, loop=4, dtype="bfloat16")
+    (src,) = generate_source(g, KNOBS["dot-native"])
+    w_load = next(line for line in src.splitlines() if "tl.load(in2_ptr" in line)
+    assert not w_load.rstrip().endswith(".to(tl.float32)")  # W goes to tl.dot in bfloat16, no round trip
+    assert "tl.dot((t3).to(tl.bfloat16), t2)" in src
+    (src,) = generate_source(g, KNOBS["dot-swap"])
+    assert "tl.trans(tl.dot(t2, tl.trans((t3).to(tl.bfloat16))))" in src
+
+
+def test_k_chunks_split_the_loop_and_refuse_what_does_not_decompose():
+    from mirage_serve.mugraph import BlockBuilder, GraphBuilder
+
+    g = fused_rmsnorm_linear(1, 64, 48, n_blocks=6, loop=2)
+    (src,) = generate_source(g, CodegenParams(k_chunks=4))
+    assert "for i in range(8):" in src and "r1 = tl.arange(0, 8)" in src
+    gb = GraphBuilder()
+    x = gb.input("X", (4, 64))
+    b = BlockBuilder((1,), 2)
+    tx = b.input(0, (-1,), 1)
+    b.output(b.accum("sum", b.unary("exp", b.reduce("sum", tx, 1))), (-1,))  # sum_i exp(sum of chunk i): not splittable
+    (y,) = gb.customized([x], b.build())
+    ok, why = supports(gb.build([y]), CodegenParams(k_chunks=2))
+    assert not ok and "reduces over the loop dim" in why
+    assert supports(gb.build([y]))[0]
+
+
+def test_pdl_waits_before_touching_memory():
+    (k0, k1) = generate_source(split_kv_attention(2, 8, 2, 16, 96, splits=3, loop=4), CodegenParams(pdl=1))
+    for src in (k0, k1):
+        body = src.split('"""')[2].strip().splitlines()
+        assert body[0].strip() == "tl.extra.cuda.gdc_wait()" and body[1].strip() == "tl.extra.cuda.gdc_launch_dependents()"
+
+
+@pytest.mark.parametrize("params", [CodegenParams(), KNOBS["dot-native"], KNOBS["chunks"]], ids=["fma", "dot", "chunks"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_kernel_serves_shorter_kv(dtype, params):
+    """Declared variable KV dims: any length up to the bucket, given by the tensors or by a device length."""
+    g = split_kv_attention(2, 8, 2, 16, 96, splits=3, loop=4, dtype=dtype)
+    cg = compile_graph(g, params, variable_dims=((1, 1), (2, 1)))
+    assert cg.extent_buckets == (96,)
+    ins = random_inputs(g, torch.Generator().manual_seed(4))
+    for kv in (96, 50, 8, 1):  # 8 and 1 leave whole splits empty
+        spec = build_spec("attention_decode", {"batch": 2, "q_heads": 8, "kv_heads": 2, "head_dim": 16, "kv_len": kv}, dtype)
+        k, v = ins[1][:, :kv].contiguous(), ins[2][:, :kv].contiguous()
+        ref = execute(spec, [ins[0], k, v])[0]
+        for out in (cg(ins[0], k, v)[0], cg(*ins, lengths=torch.tensor([kv], dtype=torch.int32))[0]):
+            assert torch.isfinite(out).all()
+            assert float((out.double() - ref).abs().max() / ref.abs().max()) < TOL[dtype], kv
+    with pytest.raises(Exception, match="variable extent 0 is 97"):
+        cg(ins[0], torch.cat([ins[1], ins[1][:, :1]], 1), torch.cat([ins[2], ins[2][:, :1]], 1))
+
+
+def test_variable_dims_refuse_count_dependent_math_and_the_rows():
+    from mirage_serve.codegen import CodegenError
+
+    g = fused_rmsnorm_linear(4, 64, 32, n_blocks=2, loop=2)
+    ok, why = supports(g, variable_dims=((0, 1),))  # the mean of squares divides by the hidden size
+    assert not ok and "number of positions" in why
+    with pytest.raises(CodegenError, match="row"):
+        compile_graph(g, variable_dims=((0, 0),))
+
+
+def test_codegen_version_and_cache_params():
+    from mirage_serve import codegen
+
+    assert isinstance(codegen.CODEGEN_VERSION, str) and codegen.CODEGEN_VERSION
+    p = CodegenParams(matmul="dot", dot_precision="input", pdl=1, shrink_grid=False)
+    cp = p.cache_params()
+    assert cp == {"matmul": "dot", "dot_precision": "input", "pdl": 1, "shrink_grid": 0}
+    assert all(isinstance(v, int | str) and not isinstance(v, bool) for v in cp.values())
+    assert CodegenParams.from_dict(cp) == p

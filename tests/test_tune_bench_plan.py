@@ -20,26 +20,38 @@ def test_shape_list_covers_the_llama3_8b_decode_cases():
     for n in (6144, 28672):
         for b in (1, 8, 32):
             c = next(c for c in cases.values() if c.spec == "rmsnorm_linear" and c.dims == {"batch": b, "hidden": 4096, "out": n})
-            assert c.variants and "cublas_graph" in c.contenders() and "eager_graph" in c.contenders()
+            assert c.candidates and "cublas_graph" in c.contenders() and "eager_graph" in c.contenders()
     att = [c for c in cases.values() if c.spec == "attention_decode"]
     assert sorted((c.dims["batch"], c.dims["kv_len"]) for c in att) == [(b, kv) for b in (1, 8) for kv in (1024, 8192, 32768)]
-    assert all(c.dims["q_heads"] == 32 and c.dims["kv_heads"] == 8 and c.dims["head_dim"] == 128 and c.variants for c in att)
+    assert all(c.dims["q_heads"] == 32 and c.dims["kv_heads"] == 8 and c.dims["head_dim"] == 128 and c.candidates for c in att)
     assert {c.dims["rank"] for c in cases.values() if c.spec == "lora_linear"} == {16, 64}
     assert any(c.spec == "gated_mlp" for c in cases.values())
     assert "compile_max_graph" in cases["rmsnorm_qkv_b1"].contenders()
     assert "compile_max_graph" not in K.plan(labels=["rmsnorm_qkv_b1"], max_autotune="none")[0].contenders()
 
 
-def test_batch_1_variants_are_gemv_shaped_and_the_wide_sweep_adds_split_k():
-    narrow = V.variants_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16")
-    for v in narrow:
-        (blk,) = [op.block for op in v.graph.customized_ops]
-        cols, chunk = 6144 // blk.grid[0], 4096 // blk.forloop_range
-        assert 4 <= cols <= 32 and 256 <= chunk <= 1024
-    wide = V.variants_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16", wide=True)
-    assert len(wide) > len(narrow) and any(v.name.startswith("splitk") for v in wide)
-    assert len({v.name for v in wide}) == len(wide)
-    assert any(v.name.startswith("splitk") for v in V.variants_for("rmsnorm_linear", {"batch": 8, "hidden": 4096, "out": 6144}, "bfloat16"))
+def test_batch_1_candidates_are_gemv_shaped_and_include_split_k():
+    cands = V.candidates_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16")
+    assert len({c.name for c in cands}) == len(cands)
+    for c in cands:
+        blk = c.graph.customized_ops[0].block
+        if c.name.startswith("fused"):
+            cols, chunk = 6144 // blk.grid[0], 4096 // blk.forloop_range
+            assert 4 <= cols <= 16 and 512 <= chunk <= 1024
+    assert any(c.name.startswith("splitk") for c in cands)
+    assert any(c.name.startswith("splitk") for c in V.candidates_for("rmsnorm_linear", {"batch": 8, "hidden": 4096, "out": 6144}, "bfloat16"))
+
+
+def test_first_round_tries_gemv_math_for_one_row_and_tl_dot_for_more():
+    from mirage_serve.tune.search import first_round
+
+    b1 = first_round(V.candidates_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16"))
+    assert {t.params.get("matmul") for t in b1} == {"fma"}
+    b32 = first_round(V.candidates_for("rmsnorm_linear", {"batch": 32, "hidden": 4096, "out": 6144}, "bfloat16"))
+    assert {t.params.get("matmul") for t in b32} == {"dot"} and all(t.params["dot_precision"] == "input" for t in b32)
+    att = V.candidates_for("attention_decode", {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 8192}, "bfloat16")
+    assert all(c.variable_dims == V.ATTENTION_VARIABLE_DIMS for c in att)
+    assert all(64 <= 8 * c.graph.customized_ops[0].block.grid[1] <= 1024 for c in att)
 
 
 @pytest.mark.parametrize(
@@ -51,9 +63,9 @@ def test_batch_1_variants_are_gemv_shaped_and_the_wide_sweep_adds_split_k():
         ("attention_decode", {"batch": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 16, "kv_len": 4096}),
     ],
 )
-def test_every_generated_variant_computes_its_spec(spec, dims):
+def test_every_generated_candidate_computes_its_spec(spec, dims):
     ref_graph = build_spec(spec, dims)
-    vs = V.variants_for(spec, dims, "float32", wide=True)
+    vs = V.candidates_for(spec, dims, "float32")
     assert vs
     ins = random_inputs(ref_graph, torch.Generator().manual_seed(1))
     want = execute(ref_graph, ins)[0]

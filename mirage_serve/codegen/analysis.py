@@ -210,12 +210,10 @@ class RowInfo:
     reason: str = ""
 
 
-def row_info(graph: KernelGraph) -> RowInfo:
-    """Infer row dims: the dims that propagate from dim 0 of the first input."""
+def _kernel_dims(graph: KernelGraph) -> _Graph:
+    """Dim classes of every kernel tensor and tile of ``graph``, with the contracted ones marked."""
     info = graph.info
     g = _Graph()
-    first = graph.input_ids[0]
-    bucket = info[first].shape[0]
     for i, op in enumerate(graph.ops):
         start = graph.tensor_producers.index((i, 0))
         where = f"kernel op {i} ({op.describe()})"
@@ -263,6 +261,15 @@ def row_info(graph: KernelGraph) -> RowInfo:
                         if d >= 0:
                             src = op.inputs[bi.source]
                             g.mark(g.node(("k", src), info[src].shape, d), f"{where}, output {j} is partial over grid dim {gd}, which splits block input {jj} along it")
+    return g
+
+
+def row_info(graph: KernelGraph) -> RowInfo:
+    """Infer row dims: the dims that propagate from dim 0 of the first input."""
+    info = graph.info
+    g = _kernel_dims(graph)
+    first = graph.input_ids[0]
+    bucket = info[first].shape[0]
     dims: list[int | None] = [None] * len(info)
     if bucket == 1:
         return RowInfo(1, False, tuple(dims), (), "the bucket has one row")
@@ -284,3 +291,61 @@ def row_info(graph: KernelGraph) -> RowInfo:
         if d is not None and info[t].shape[d] != bucket:  # pragma: no cover - sizes of one class agree
             return RowInfo(bucket, False, tuple(dims), (), f"tensor {t} dim {d} joins the rows with size {info[t].shape[d]}")
     return RowInfo(bucket, True, tuple(dims), tuple(row_inputs))
+
+
+@dataclass(frozen=True)
+class ExtentInfo:
+    """Variable extents of a kernel graph (see :func:`extent_info`).
+
+    ``dims[t]`` maps each variable dim of kernel tensor ``t`` to its extent id;
+    ``bucket[e]`` is extent ``e``'s size in the graph (the most it may be at run time)."""
+
+    dims: tuple[dict[int, int], ...]
+    bucket: tuple[int, ...]
+
+
+def extent_info(graph: KernelGraph, seeds: tuple[tuple[int, int], ...], rows: RowInfo | None = None) -> ExtentInfo:
+    """Classes of the (input position, dim) ``seeds``: each class becomes one variable extent.
+
+    Every kernel tensor dim in a seed's class is variable. Raises CodegenError when a
+    class is the row class, or reaches a pre-defined kernel operator (those run as
+    torch ops on whole tensors and would read the invalid positions)."""
+    from mirage_serve.codegen.params import CodegenError
+
+    info = graph.info
+    g = _kernel_dims(graph)
+    roots: list[Node] = []
+    for pos, d in seeds:
+        if not 0 <= pos < len(graph.input_ids):
+            raise CodegenError(f"variable dim seed {(pos, d)}: the graph has {len(graph.input_ids)} inputs")
+        t = graph.input_ids[pos]
+        if not 0 <= d < len(info[t].shape) or info[t].shape[d] == 1:
+            raise CodegenError(f"variable dim seed {(pos, d)}: input {pos} has shape {list(info[t].shape)}; name a dim of size > 1")
+        r = g.uf.find(("k", t, d))
+        if r not in roots:
+            roots.append(r)
+    if rows is not None and rows.bucket > 1:
+        first = graph.input_ids[0]
+        if g.uf.find(("k", first, 0)) in roots:
+            raise CodegenError("a variable extent joins the row (batch) dims; rows are already variable")
+    dims: list[dict[int, int]] = [{} for _ in info]
+    bucket: list[int] = [0] * len(roots)
+    producers = graph.tensor_producers
+    for n, size in g.sizes.items():
+        if n[0] != "k":
+            continue
+        r = g.uf.find(n)
+        if r in roots:
+            e = roots.index(r)
+            t, d = n[1], n[2]
+            op = graph.ops[producers[t][0]]
+            if op.kind not in ("input", "customized"):
+                raise CodegenError(f"variable extent {e} reaches kernel operator {op.describe()}, which runs as a torch op; not supported")
+            if bucket[e] not in (0, size):
+                raise CodegenError(f"variable extent {e} has sizes {bucket[e]} and {size} in different tensors; not supported")
+            bucket[e] = size
+            dims[t][d] = e
+    for i, op in enumerate(graph.ops):
+        if op.kind not in ("input", "customized") and any(dims[t] for t in op.inputs):
+            raise CodegenError(f"variable extent reaches kernel operator {op.describe()}, which runs as a torch op; not supported")
+    return ExtentInfo(tuple(dims), tuple(bucket))

@@ -28,17 +28,20 @@ def _compile_all(req: dict) -> list[str]:
         linecache.cache[filename] = (len(k["text"]), None, k["text"].splitlines(True), filename)
         scope = {"triton": triton, "tl": tl}
         exec(compile(k["text"], filename, "exec"), scope)  # our own generated source
-        src = ASTSource(fn=scope[k["name"]], signature=dict(k["signature"]), constexprs={})
+        sig = dict(k["signature"])
+        # as the JIT specializes: device allocations are 16-byte aligned (lets loads vectorize)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        src = ASTSource(fn=scope[k["name"]], signature=sig, constexprs={}, attrs=attrs)
         compiled = triton.compile(
             src,
             target=GPUTarget("cuda", req["arch"], req["warp_size"]),
-            options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]},
+            options={"num_warps": req["num_warps"], "num_stages": req["num_stages"], **({"launch_pdl": True} if req.get("launch_pdl") else {})},
         )
         out.append(compiled.asm["ptx"])
     return out
 
 
-def compile_to_ptx(sources, arch: int = 90, warp_size: int = 32, num_warps: int = 4, num_stages: int = 2) -> list[str]:
+def compile_to_ptx(sources, arch: int = 90, warp_size: int = 32, num_warps: int = 4, num_stages: int = 2, launch_pdl: bool = False) -> list[str]:
     """PTX text of each :class:`~mirage_serve.codegen.triton_gen.KernelSource` for ``sm_<arch>``."""
     req = {
         "kernels": [{"name": s.name, "text": s.text, "signature": s.signature} for s in sources],
@@ -46,6 +49,7 @@ def compile_to_ptx(sources, arch: int = 90, warp_size: int = 32, num_warps: int 
         "warp_size": warp_size,
         "num_warps": num_warps,
         "num_stages": num_stages,
+        "launch_pdl": launch_pdl,
     }
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return _compile_all(req)

@@ -29,6 +29,16 @@ class CodegenParams:
       bf16/fp16 values exactly).
     * ``shrink_grid``: launch only the programs that own valid rows when the
       runtime row count is below the bucket.
+    * ``dot_swap``: 1 computes a tile matmul A @ B as ``(B^T @ A^T)^T`` on the
+      tensor cores, so a wide weight tile is the MMA's M side and a few batch
+      rows (padded to 16) its N side.
+    * ``k_chunks``: split every for-loop iteration into this many steps along
+      the loop dims (an inner chunk of ``tile / k_chunks`` per step). It runs the
+      same arithmetic in smaller register tiles; allowed only where the loop body
+      decomposes (see :func:`mirage_serve.codegen.triton_gen.refine_loop`).
+    * ``pdl``: 1 launches every kernel with programmatic dependent launch
+      (Hopper and newer): a kernel's launch overlaps the tail of the one before
+      it and waits (``griddepcontrol.wait``) before touching memory.
     """
 
     num_warps: int = 4
@@ -37,6 +47,9 @@ class CodegenParams:
     dot_min_rows: int = 16
     dot_precision: str = "auto"
     shrink_grid: bool = True
+    dot_swap: int = 0
+    k_chunks: int = 1
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -49,16 +62,26 @@ class CodegenParams:
             raise CodegenError(f"CodegenParams.num_stages={self.num_stages}; use 1..8")
         if self.dot_min_rows < 1:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
+        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1):
+            raise CodegenError("CodegenParams.dot_swap and .pdl are 0 or 1")
+        if self.k_chunks < 1 or self.k_chunks & (self.k_chunks - 1):
+            raise CodegenError(f"CodegenParams.k_chunks={self.k_chunks}; use a power of two >= 1")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def cache_params(self) -> dict[str, int | str]:
+        """The fields that differ from the defaults, as ints and strings (the kernel cache's params form)."""
+        default = CodegenParams()
+        return {k: (int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items() if v != getattr(default, k)}
 
     @staticmethod
     def from_dict(d: dict) -> CodegenParams:
         unknown = set(d) - set(CodegenParams.__dataclass_fields__)
         if unknown:
             raise CodegenError(f"unknown codegen parameter(s) {sorted(unknown)}; known: {sorted(CodegenParams.__dataclass_fields__)}")
-        return CodegenParams(**d)
+        fields = CodegenParams.__dataclass_fields__
+        return CodegenParams(**{k: (bool(v) if fields[k].type in (bool, "bool") else v) for k, v in d.items()})
 
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""

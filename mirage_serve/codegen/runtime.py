@@ -11,6 +11,16 @@ operands' dtype, accumulating in fp32 as cuBLAS does) and round on store.
 (:func:`mirage_serve.codegen.analysis.row_info`), dim 0 of every input in the
 row class (``CompiledGraph.row_inputs``) may be any size from 1 to the bucket;
 every other dim must match exactly. Kernels mask rows >= ``n_rows``.
+
+**Variable extents.** ``variable_dims`` names (input position, dim) pairs whose
+size may also be anything from 1 to the graph's (e.g. decode attention's KV
+length): every tensor dim of the same dim class varies with it
+(:func:`mirage_serve.codegen.analysis.extent_info`). The tensors' actual sizes
+give the strides; ``lengths`` (a device int32 tensor, one entry per extent) may
+in addition say that only a prefix of each is valid, so a captured CUDA graph
+can serve a KV cache that grows in place. Callers declare only dims along which
+the spec is uniform (positions of a set, like softmax over keys); codegen
+excludes the other positions from every reduction exactly like padding.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mirage_serve.codegen.analysis import RowInfo, row_info
+from mirage_serve.codegen.analysis import ExtentInfo, RowInfo, extent_info, row_info
 from mirage_serve.codegen.params import CodegenError, CodegenParams
 from mirage_serve.codegen.triton_gen import KernelSource, generate_kernel
 from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
@@ -37,14 +47,16 @@ class _Plan:
     rows: RowInfo
     storage: tuple[str, ...]  # storage dtype per kernel tensor
     kernels: tuple[KernelSource | None, ...]  # per kernel op
+    extents: ExtentInfo
 
 
-def _plan(graph: KernelGraph, params: CodegenParams) -> _Plan:
+def _plan(graph: KernelGraph, params: CodegenParams, variable_dims: tuple[tuple[int, int], ...] = ()) -> _Plan:
     try:
         info = graph.info
     except MuGraphError as e:
         raise CodegenError(f"the graph is not valid: {e}") from e
     rows = row_info(graph)
+    ext = extent_info(graph, tuple(variable_dims), rows)
     rdims = rows.dims if rows.variable else (None,) * len(info)
     storage = [i.dtype for i in info]
     for i, op in enumerate(graph.ops):
@@ -73,31 +85,67 @@ def _plan(graph: KernelGraph, params: CodegenParams) -> _Plan:
                 [rdims[t] for t in outs],
                 params,
                 f"kernel op {i}",
+                [ext.dims[t] for t in op.inputs],
+                [ext.dims[t] for t in outs],
             )
         )
         n_kernels += 1
-    return _Plan(rows, tuple(storage), tuple(kernels))
+    return _Plan(rows, tuple(storage), tuple(kernels), ext)
 
 
-def supports(graph: KernelGraph, params: CodegenParams | None = None) -> tuple[bool, str]:
+def supports(graph: KernelGraph, params: CodegenParams | None = None, variable_dims: tuple[tuple[int, int], ...] = ()) -> tuple[bool, str]:
     """Whether this generator can compile ``graph``; the reason when it cannot."""
     try:
-        _plan(graph, params or CodegenParams())
+        _plan(graph, params or CodegenParams(), variable_dims)
     except CodegenError as e:
         return False, str(e)
     return True, ""
 
 
-def generate_source(graph: KernelGraph, params: CodegenParams | None = None) -> list[str]:
+def generate_source(graph: KernelGraph, params: CodegenParams | None = None, variable_dims: tuple[tuple[int, int], ...] = ()) -> list[str]:
     """Deterministic Triton source, one kernel per customized operator, in graph order."""
-    plan = _plan(graph, params or CodegenParams())
+    plan = _plan(graph, params or CodegenParams(), variable_dims)
     return [k.text for k in plan.kernels if k is not None]
+
+
+_INTERPRETER_PATCHED = False
+
+
+def _interpreter_bf16_dot() -> None:
+    """Make Triton's CPU interpreter multiply bfloat16 dot operands as numbers.
+
+    It stores bfloat16 as raw uint16 bits and its ``create_dot`` multiplies those
+    bits as integers; GPU code is unaffected. Operands are widened to float32
+    first (bfloat16 values are exact in float32), as the tensor cores do."""
+    global _INTERPRETER_PATCHED
+    if _INTERPRETER_PATCHED:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    builder = it.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype.scalar == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    _INTERPRETER_PATCHED = True
 
 
 def load_kernel(source: KernelSource):
     """Turn generated source into a ``triton.jit`` function (source kept in linecache, no file)."""
+    import os
+
     import triton
     import triton.language as tl
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        _interpreter_bf16_dot()
 
     digest = hashlib.sha256(source.text.encode()).hexdigest()[:16]
     filename = f"<mirage_serve-codegen-{source.name}-{digest}>"
@@ -112,7 +160,7 @@ def compile_for_target(source: KernelSource, arch: int = 90, warp_size: int = 32
     from mirage_serve.codegen.aot import compile_to_ptx
 
     p = params or CodegenParams()
-    return compile_to_ptx([source], arch, warp_size, p.num_warps, p.num_stages)[0]
+    return compile_to_ptx([source], arch, warp_size, p.num_warps, p.num_stages, launch_pdl=bool(p.pdl))[0]
 
 
 def _torch_op(op, ins: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
@@ -127,13 +175,16 @@ def _torch_op(op, ins: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tens
 class CompiledGraph:
     """A kernel graph compiled for one bucket: ``CompiledGraph(*tensors) -> list[Tensor]``."""
 
-    def __init__(self, graph: KernelGraph, params: CodegenParams | None = None) -> None:
+    def __init__(self, graph: KernelGraph, params: CodegenParams | None = None, variable_dims: tuple[tuple[int, int], ...] = ()) -> None:
         self.graph = graph
         self.params = params or CodegenParams()
-        self._plan = _plan(graph, self.params)
+        self.variable_dims = tuple(tuple(x) for x in variable_dims)
+        self._plan = _plan(graph, self.params, self.variable_dims)
         self.sources: list[str] = [k.text for k in self._plan.kernels if k is not None]
         self.kernel_sources: list[KernelSource] = [k for k in self._plan.kernels if k is not None]
         self._fns: dict[int, object] = {}
+        self._len_tensors: dict[tuple, torch.Tensor] = {}
+        self._launched: dict[int, object] = {}  # kernel op -> Triton's compiled kernel, after its first launch
         info = graph.info
         self.input_shapes = tuple(info[t].shape for t in graph.input_ids)
         self.input_dtypes = tuple(info[t].dtype for t in graph.input_ids)
@@ -157,21 +208,44 @@ class CompiledGraph:
     def bucket(self) -> int:
         return self._plan.rows.bucket
 
-    def shapes_for(self, n_rows: int) -> list[tuple[int, ...]]:
-        """Shape of every kernel tensor when the graph runs ``n_rows`` rows."""
+    @property
+    def extent_buckets(self) -> tuple[int, ...]:
+        """Largest size of each variable extent (its size in the graph)."""
+        return self._plan.extents.bucket
+
+    def shapes_for(self, n_rows: int, extents: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+        """Shape of every kernel tensor when the graph runs ``n_rows`` rows (and these extent sizes)."""
         rows = self._plan.rows
+        ext = self._plan.extents
         out = []
         for t, i in enumerate(self.graph.info):
             s = list(i.shape)
             d = rows.dims[t] if rows.variable else None
             if d is not None:
                 s[d] = n_rows
+            if extents is not None:
+                for dd, e in ext.dims[t].items():
+                    s[dd] = extents[e]
             out.append(tuple(s))
         return out
 
-    def output_shapes_for(self, n_rows: int) -> list[tuple[int, ...]]:
-        shapes = self.shapes_for(n_rows)
+    def output_shapes_for(self, n_rows: int, extents: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+        shapes = self.shapes_for(n_rows, extents)
         return [shapes[t] for t in self.graph.outputs]
+
+    def extents_of(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The size of each variable extent in these inputs (the first input that has it)."""
+        ext = self._plan.extents
+        sizes: list[int | None] = [None] * len(ext.bucket)
+        for x, t in zip(tensors, self.graph.input_ids, strict=False):
+            for d, e in ext.dims[t].items():
+                if sizes[e] is None and d < x.dim():
+                    sizes[e] = int(x.shape[d])
+        out = tuple(b if s is None else s for s, b in zip(sizes, ext.bucket, strict=True))
+        for e, (n, b) in enumerate(zip(out, ext.bucket, strict=True)):
+            if not 1 <= n <= b:
+                raise CodegenError(f"variable extent {e} is {n}; this kernel serves 1..{b}")
+        return out
 
     def n_rows_of(self, tensors: Sequence[torch.Tensor]) -> int:
         """Check shapes and dtypes; return the row count (the bucket unless variable)."""
@@ -182,10 +256,13 @@ class CompiledGraph:
             n = int(tensors[self.row_inputs[0]].shape[0])
             if not 1 <= n <= self.bucket:
                 raise CodegenError(f"input {self.row_inputs[0]} has {n} rows; this kernel serves 1..{self.bucket} rows (the bucket)")
-        want = self.shapes_for(n)
+        extents = self.extents_of(tensors) if self._plan.extents.bucket else None
+        want = self.shapes_for(n, extents)
         for pos, (x, t) in enumerate(zip(tensors, self.graph.input_ids, strict=True)):
             if tuple(x.shape) != want[t]:
                 what = f"rows 1..{self.bucket} in dim 0, " if pos in self.row_inputs else ""
+                if self._plan.extents.dims[t]:
+                    what += f"dims {sorted(self._plan.extents.dims[t])} variable and equal across inputs, "
                 raise CodegenError(f"input {pos} has shape {list(x.shape)}, expected {list(want[t])} ({what}other dims exact)")
             if x.dtype != TORCH_DTYPES[self.input_dtypes[pos]]:
                 raise CodegenError(f"input {pos} has dtype {x.dtype}, expected {self.input_dtypes[pos]}; cast it first")
@@ -197,11 +274,46 @@ class CompiledGraph:
             fn = self._fns[i] = load_kernel(src)
         return fn
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def kernel_stats(self) -> list[dict]:
+        """Registers, spilled bytes and shared memory of each kernel launched so far (GPU only)."""
+        out = []
+        for i, k in sorted(self._launched.items()):
+            def get(name):
+                v = getattr(k, name, None)
+                return v if isinstance(v, int) else None
+            out.append({"kernel": self._plan.kernels[i].name, "registers": get("n_regs"), "spills": get("n_spills"),
+                        "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None)})
+        return out
+
+    def _lengths_for(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A device int32 tensor of the extent sizes (all positions valid), kept per size."""
+        key = (sizes, str(device))
+        x = self._len_tensors.get(key)
+        if x is None:
+            if len(self._len_tensors) >= 256:
+                self._len_tensors.clear()
+            x = self._len_tensors[key] = torch.tensor(sizes, dtype=torch.int32, device=device)
+        return x
+
+    def __call__(self, *tensors: torch.Tensor, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Run the graph. ``lengths``: int32 tensor on the inputs' device, the valid length of each
+        variable extent (default: the inputs' sizes); entries above a size are clamped to it."""
         n = self.n_rows_of(tensors)
-        shapes = self.shapes_for(n)
+        ext = self._plan.extents
+        sizes = self.extents_of(tensors) if ext.bucket else ()
+        shapes = self.shapes_for(n, sizes if ext.bucket else None)
         storage = self._plan.storage
         device = tensors[0].device if tensors else torch.device("cpu")
+        if ext.bucket:
+            if lengths is None:
+                lengths = self._lengths_for(sizes, device)
+            elif lengths.dtype != torch.int32 or lengths.numel() != len(sizes) or lengths.device != device:
+                raise CodegenError(f"lengths must be an int32 tensor of {len(sizes)} element(s) on {device}")
+        elif lengths is not None:
+            raise CodegenError("this graph has no variable extents; compile it with variable_dims to pass lengths")
+        launch = {"num_warps": self.params.num_warps, "num_stages": self.params.num_stages}
+        if self.params.pdl:
+            launch["launch_pdl"] = True
         vals: list[torch.Tensor] = []
         n_in = 0
         for i, op in enumerate(self.graph.ops):
@@ -221,7 +333,11 @@ class CompiledGraph:
                 args = [vals[t] for t in op.inputs] + outs
                 if src.uses_n_rows:
                     args.append(n)
-                self._kernel(i, src)[grid](*args, num_warps=self.params.num_warps, num_stages=self.params.num_stages)
+                for e in src.extents:
+                    args += [sizes[e], lengths[e:e + 1] if len(sizes) > 1 else lengths]
+                launched = self._kernel(i, src)[grid](*args, **launch)
+                if i not in self._launched:
+                    self._launched[i] = launched
                 vals.extend(outs)
             else:
                 t = len(vals)
@@ -230,6 +346,8 @@ class CompiledGraph:
         return [vals[t] if vals[t].dtype == TORCH_DTYPES[info[t].dtype] else vals[t].to(TORCH_DTYPES[info[t].dtype]) for t in self.graph.outputs]
 
 
-def compile_graph(graph: KernelGraph, params: CodegenParams | None = None) -> CompiledGraph:
-    """Generate, load lazily and wrap every kernel of ``graph`` (raises CodegenError if unsupported)."""
-    return CompiledGraph(graph, params)
+def compile_graph(graph: KernelGraph, params: CodegenParams | None = None, variable_dims: tuple[tuple[int, int], ...] = ()) -> CompiledGraph:
+    """Generate, load lazily and wrap every kernel of ``graph`` (raises CodegenError if unsupported).
+
+    ``variable_dims``: (input position, dim) pairs whose size may vary up to the graph's at run time."""
+    return CompiledGraph(graph, params, variable_dims)

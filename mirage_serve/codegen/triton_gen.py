@@ -15,15 +15,25 @@ and re-masked before any reduction over a padded dim whose padding may hold
 non-zero values. Size-1 tile dims are squeezed (a value's register dims are its
 tile's dims of size > 1, in tile order). Sizes are literals; a row dim uses the
 runtime ``n_rows`` in its masks and strides (all tensors are contiguous).
+
+**Variable extents.** A tensor dim may be declared variable (e.g. the KV length
+of decode attention): its size in memory is the argument ``n_ext<e>`` (used in
+strides) and only the first ``v_ext<e>`` positions (read from ``ext<e>_ptr``, a
+device int32, clamped to ``n_ext<e>``) are valid. Its tile dim class gets a
+runtime mask ``dm<c>`` next to the padding mask, so masked positions are
+excluded from every reduction exactly like padding; operators whose result
+depends on the count of positions (mean of squares, rms, rms_norm, strided
+sums) are refused over such a class.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mirage_serve.codegen.analysis import block_dims
 from mirage_serve.codegen.params import CodegenError, CodegenParams
-from mirage_serve.mugraph.graph import Op
+from mirage_serve.mugraph.graph import MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo
 
 TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
@@ -55,6 +65,8 @@ class KernelSource:
     uses_n_rows: bool
     # per grid dim: rows each program owns when the launch may shrink with n_rows, else 0
     rows_per_program: tuple[int, ...]
+    extents: tuple[int, ...] = ()  # variable extents this kernel takes (n_ext<e>, ext<e>_ptr), in order
+    pdl: bool = False  # launch with programmatic dependent launch
 
 
 @dataclass
@@ -62,6 +74,43 @@ class _Val:
     name: str
     dims: tuple[int, ...]  # tile dims of size > 1, in register order
     zero: bool  # padded entries are known to be exactly 0
+    raw: bool = False  # still in the tensor's 16-bit storage dtype (loaded for tl.dot only)
+
+
+def check_loop_refinable(block, bd, factor: int, where: str) -> None:
+    """Raise CodegenError unless splitting every loop iteration into ``factor`` steps is exact.
+
+    It is when the loop body decomposes over the loop-split dim classes: a
+    per-iteration value reduced over one of them (a matmul contracting it, a sum
+    or max over it) feeds accumulators only; accumulators are sums, maxima,
+    sums of squares over the last dim or their rescaled forms (not ``sum_to``);
+    and no rms_norm or sum_to runs over such a class inside the loop."""
+    n_in = len(block.inputs)
+    loop_cls = {bd.cls[j][bi.forloop_dim] for j, bi in enumerate(block.inputs) if bi.forloop_dim != -1} - {None}
+    consumers: dict[int, list] = {}
+    for op in block.ops:
+        for x in op.inputs:
+            consumers.setdefault(x, []).append(op)
+    for j, op in enumerate(block.ops):
+        t = n_in + j
+        what = f"{where}: k_chunks={factor} does not split the loop: block op {j} ({op.describe()})"
+        if op.kind == "accum":
+            if op.attr("fn") == "sum_to":
+                raise CodegenError(f"{what} is a strided-sum accumulator")
+            continue
+        src = op.inputs[0] if op.inputs else None
+        reduced = None
+        if op.kind == "matmul":
+            reduced = bd.cls[src][-1]
+        elif op.kind == "reduce":
+            d = op.attr("dim", -1) % len(bd.tiles[src].shape)
+            reduced = bd.cls[src][d]
+        elif op.kind in ("rms_norm", "sum_to"):
+            if bd.cls[src][-1] in loop_cls:
+                raise CodegenError(f"{what} normalises or sums down a loop-split dim inside the loop")
+            continue
+        if reduced in loop_cls and any(c.kind != "accum" for c in consumers.get(t, [])):
+            raise CodegenError(f"{what} reduces over the loop dim and feeds more than accumulators")
 
 
 class _Gen:
@@ -77,8 +126,12 @@ class _Gen:
         out_rows: list[int | None],
         params: CodegenParams,
         where: str,
+        arg_ext: list[dict[int, int]] | None = None,
+        out_ext: list[dict[int, int]] | None = None,
     ) -> None:
         self.name, self.op, self.block = name, op, op.block
+        self.arg_ext = arg_ext or [{} for _ in arg_infos]
+        self.out_ext = out_ext or [{} for _ in out_infos]
         self.arg_infos, self.arg_storage, self.arg_rows = arg_infos, arg_storage, arg_rows
         self.out_infos, self.out_storage, self.out_rows = out_infos, out_storage, out_rows
         self.params, self.where = params, where
@@ -95,6 +148,7 @@ class _Gen:
                 raise CodegenError(f"{self._w(t)}: two dims of one tile are the same axis (e.g. X @ X^T); not supported")
         self._plan_dots()
         self.pad = [max(_pow2(s), 16 if c in self.dot_classes else 1) for c, s in enumerate(self.bd.size)]
+        self._plan_extents()
 
     # ---- helpers -------------------------------------------------------------------------
     def _w(self, t: int) -> str:
@@ -131,12 +185,77 @@ class _Gen:
                 continue
             self.dot_ops.add(t)
             self.dot_classes.update((m, k, n))
-        # a tile read only as the transposed operand of dots is loaded as [K, N] directly
+        prec = self.params.dot_precision
+        self.dot_native = prec == "input" and self.low is not None  # tl.dot on the 16-bit operands themselves
+        # a tile read only as the transposed operand of dots is loaded as [K, N] directly (unless the
+        # dot is swapped, which wants B as [N, K]); a 16-bit tile read only by native dots stays 16-bit
         self.load_transposed: set[int] = set()
+        self.raw_loads: set[int] = set()
         for t in range(self.n_in):
             uses = [(self.n_in + j, op) for j, op in enumerate(self.block.ops) if t in op.inputs]
-            if uses and all(u in self.dot_ops and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t for u, op in uses):
+            if not self.params.dot_swap and uses and all(
+                u in self.dot_ops and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t for u, op in uses
+            ):
                 self.load_transposed.add(t)
+            src = self.block.inputs[t].source
+            if self.dot_native and uses and self.arg_storage[src] == self.low and all(u in self.dot_ops for u, _ in uses):
+                self.raw_loads.add(t)
+
+    def _plan_extents(self) -> None:
+        """Tile dim classes of variable extents: class -> extent id; refuse count-dependent operators over them."""
+        self.dyn: dict[int, int] = {}
+        for j, bi in enumerate(self.block.inputs):
+            for d, e in self.arg_ext[bi.source].items():
+                c = self.bd.cls[j][d]
+                if c is None:
+                    continue
+                if self.dyn.get(c, e) != e:
+                    raise CodegenError(f"{self._w(j)}: dim {d} joins two variable extents; not supported")
+                self.dyn[c] = e
+        for j, bo in enumerate(self.block.outputs):
+            n_partial = len(self.out_infos[j].shape) - len(self.tiles[bo.tensor].shape)
+            for d, e in self.out_ext[j].items():
+                c = self.bd.cls[bo.tensor][d - n_partial] if d >= n_partial else None
+                if c is not None:
+                    self.dyn.setdefault(c, e)
+        if not self.dyn:
+            return
+        for j, op in enumerate(self.block.ops):
+            t = self.n_in + j
+            src = op.inputs[0] if op.inputs else None
+            last = self.bd.cls[src][-1] if src is not None else None
+            fn = op.attr("fn") if op.kind in ("accum", "reduce", "unary", "binary") else None
+            if last in self.dyn and (op.kind in ("rms_norm", "sum_to") or fn in ("mean_sq_last", "rms_last", "sum_to")):
+                raise CodegenError(f"{self._w(t)}: depends on the number of positions of a variable-extent dim; not supported")
+        # every input tile of a variable class must place it alike (same grid offsets, same loop status)
+        self.dyn_base: dict[int, tuple[str, int | None]] = {}  # class -> (grid offset expr, loop step or None)
+        for j, bi in enumerate(self.block.inputs):
+            tile = self.tiles[j].shape
+            for d, c in enumerate(self.bd.cls[j]):
+                if c not in self.dyn:
+                    continue
+                base = " + ".join(self._grid_terms(bi, d, tile)) or "0"
+                step = tile[d] if d == bi.forloop_dim else None
+                if self.dyn_base.setdefault(c, (base, step)) != (base, step):
+                    raise CodegenError(f"{self._w(j)}: inputs split a variable-extent dim differently; not supported")
+        phases = [info.phase for info in self.tiles]
+        for t, cls in enumerate(self.bd.cls):
+            for c in cls:
+                if c in self.dyn_base and self.dyn_base[c][1] is not None and phases[t] in ("invariant", "post", "both"):
+                    raise CodegenError(f"{self._w(t)}: a loop-split variable-extent dim outside the loop; not supported")
+
+    def _grid_terms(self, bi, d: int, tile: tuple[int, ...]) -> list[str]:
+        terms = []
+        for g, td in enumerate(bi.input_map):
+            if td == d and self.block.grid[g] > 1:
+                step = tile[d] * (self.block.forloop_range if d == bi.forloop_dim else 1)
+                terms.append(f"pid{g}" if step == 1 else f"pid{g} * {step}")
+        return terms
+
+    def dyn_mask_line(self, c: int) -> str:
+        base, step = self.dyn_base[c]
+        pos = " + ".join(x for x in (base if base != "0" else "", f"i * {step}" if step is not None else "", f"r{c}") if x)
+        return f"dm{c} = ({pos}) < v_ext{self.dyn[c]}"
 
     def arange(self, c: int, target: tuple[int, ...]) -> str:
         """``tl.arange`` of class ``c`` expanded to the register classes ``target``."""
@@ -148,12 +267,18 @@ class _Gen:
             return ""
         return "[" + ", ".join(":" if q == pos else "None" for q in range(n)) + "]"
 
-    def pad_mask(self, cls: tuple[int, ...], only: tuple[int, ...] | None = None) -> str | None:
+    def pad_mask(self, cls: tuple[int, ...], only: tuple[int, ...] | None = None, dyn: bool = True) -> str | None:
         parts = [
             f"m{c}" + self._index(p, len(cls))
             for p, c in enumerate(cls)
             if self.pad[c] > self.bd.size[c] and (only is None or c in only)
         ]
+        if dyn:
+            parts += [f"dm{c}" + self._index(p, len(cls)) for p, c in enumerate(cls) if c in self.dyn and (only is None or c in only)]
+        return " & ".join(parts) if parts else None
+
+    def dyn_mask(self, cls: tuple[int, ...]) -> str | None:
+        parts = [f"dm{c}" + self._index(p, len(cls)) for p, c in enumerate(cls) if c in self.dyn]
         return " & ".join(parts) if parts else None
 
     def expand(self, v: _Val, vt: int, target: tuple[int, ...]) -> str:
@@ -174,7 +299,7 @@ class _Gen:
     def natural(self, v: _Val, t: int) -> _Val:
         if v.dims == self.kept(t):
             return v
-        return _Val(self.expand(v, t, self.classes(t, self.kept(t))), self.kept(t), v.zero)
+        return _Val(self.expand(v, t, self.classes(t, self.kept(t))), self.kept(t), v.zero, v.raw)
 
     def shape_of(self, cls: tuple[int, ...]) -> str:
         return "(" + "".join(f"{self.pad[c]}, " for c in cls).rstrip(" ") + ")"
@@ -187,21 +312,22 @@ class _Gen:
             return v.name
         return f"tl.where({m}, {v.name}, {fill})"
 
-    def size_exprs(self, shape: tuple[int, ...], row: int | None) -> list[str]:
-        return ["n_rows" if d == row else str(s) for d, s in enumerate(shape)]
-
-    def strides(self, shape: tuple[int, ...], row: int | None) -> list[str]:
+    def strides(self, shape: tuple[int, ...], row: int | None, ext: dict[int, int] | None = None) -> list[str]:
+        """Row-major strides; the row dim's size is ``n_rows`` and a variable extent's ``n_ext<e>``."""
         out = []
         for d in range(len(shape)):
-            lit, sym = 1, False
+            lit, syms = 1, []
             for e in range(d + 1, len(shape)):
                 if e == row:
-                    sym = True
+                    syms.append("n_rows")
+                elif ext and e in ext:
+                    syms.append(f"n_ext{ext[e]}")
                 else:
                     lit *= shape[e]
-            if sym:
+            if "n_rows" in syms:
                 self.uses_n_rows = True
-                out.append("n_rows" if lit == 1 else f"n_rows * {lit}")
+            if syms:
+                out.append(" * ".join(syms + ([str(lit)] if lit != 1 else [])))
             else:
                 out.append(str(lit))
         return out
@@ -211,6 +337,12 @@ class _Gen:
         blk, rng = self.block, self.block.forloop_range
         body: list[str] = []
         self.lines = body
+        if self.params.pdl:  # wait for the kernel before (its outputs, and its reads of our outputs), then let the next one launch
+            self.emit("tl.extra.cuda.gdc_wait()")
+            self.emit("tl.extra.cuda.gdc_launch_dependents()")
+        extents = sorted({e for m in self.arg_ext + self.out_ext for e in m.values()} | set(self.dyn.values()))
+        for e in extents:
+            self.emit(f"v_ext{e} = tl.minimum(tl.load(ext{e}_ptr), n_ext{e})")
         for g, size in enumerate(blk.grid):
             if size > 1:
                 self.emit(f"pid{g} = tl.program_id({g})")
@@ -218,6 +350,11 @@ class _Gen:
             self.emit(f"r{c} = tl.arange(0, {self.pad[c]})")
             if self.pad[c] > size:
                 self.emit(f"m{c} = r{c} < {size}")
+        for c in sorted(self.dyn):
+            if c not in self.dyn_base:
+                raise CodegenError(f"{self.where}: a variable-extent dim reaches an output without coming from an input; not supported")
+            if self.dyn_base[c][1] is None:
+                self.emit(self.dyn_mask_line(c))
         loads = self._emit_load_setup()
         env: dict[int, _Val] = {}
         phases = [info.phase for info in self.tiles]
@@ -234,6 +371,9 @@ class _Gen:
             self._emit_acc_init(t)
         loop_env = dict(env)
         self.emit(f"for i in range({rng}):")
+        for c in sorted(self.dyn):
+            if self.dyn_base[c][1] is not None:
+                self.emit(self.dyn_mask_line(c), 2)
         for j, bi in enumerate(blk.inputs):
             if bi.forloop_dim != -1:
                 loop_env[j] = self._emit_load(j, loads[j], 2)
@@ -263,14 +403,23 @@ class _Gen:
         if self.uses_n_rows:
             args.append("n_rows")
             sig["n_rows"] = "i32"
-        head = ["@triton.jit", f"def {self.name}({', '.join(args)}):", f'    """{self.where}: grid {list(blk.grid)}, forloop_range {rng}.']
+        for e in extents:
+            args += [f"n_ext{e}", f"ext{e}_ptr"]
+            sig[f"n_ext{e}"], sig[f"ext{e}_ptr"] = "i32", "*i32"
+        deco = "@triton.jit"
+        if extents:  # a size in strides only: one compiled kernel for every length
+            deco = "@triton.jit(do_not_specialize=[" + ", ".join(f'"n_ext{e}"' for e in extents) + "])"
+        head = [deco, f"def {self.name}({', '.join(args)}):", f'    """{self.where}: grid {list(blk.grid)}, forloop_range {rng}.']
+        def note(rows, ext) -> str:
+            return (f", row dim {rows}" if rows is not None else "") + "".join(f", dim {d} variable (extent {e})" for d, e in sorted(ext.items()))
+
         for j, info in enumerate(self.arg_infos):
-            head.append(f"    in{j}: {list(info.shape)} {self.arg_storage[j]}" + (f", row dim {self.arg_rows[j]}" if self.arg_rows[j] is not None else ""))
+            head.append(f"    in{j}: {list(info.shape)} {self.arg_storage[j]}" + note(self.arg_rows[j], self.arg_ext[j]))
         for j, info in enumerate(self.out_infos):
-            head.append(f"    out{j}: {list(info.shape)} {self.out_storage[j]}" + (f", row dim {self.out_rows[j]}" if self.out_rows[j] is not None else ""))
+            head.append(f"    out{j}: {list(info.shape)} {self.out_storage[j]}" + note(self.out_rows[j], self.out_ext[j]))
         head.append('    """')
         text = "\n".join(head + body) + "\n"
-        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program))
+        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl))
 
     def _shrinkable(self) -> list[int]:
         """Rows each program owns along grid dims that every output maps to its row dim."""
@@ -291,15 +440,15 @@ class _Gen:
                 out[g] = per.pop()
         return out
 
-    def _emit_load_setup(self) -> list[tuple[str, str | None, str]]:
-        """Per block input: (offset name, mask name or None, per-iteration step)."""
+    def _emit_load_setup(self) -> list[tuple[str, str | None, str, str | None]]:
+        """Per block input: (offset name, mask name or None, per-iteration step, variable-extent mask or None)."""
         blk, rng = self.block, self.block.forloop_range
         res = []
         for j, bi in enumerate(blk.inputs):
             src = bi.source
             shape, tile = self.arg_infos[src].shape, self.tiles[j].shape
             row = self.arg_rows[src]
-            strides = self.strides(shape, row)
+            strides = self.strides(shape, row, self.arg_ext[src])
             dims = self.kept(j)
             if j in self.load_transposed:
                 dims = dims[:-2] + (dims[-1], dims[-2])
@@ -321,7 +470,7 @@ class _Gen:
                     continue
                 term = " + ".join(idx)
                 terms.append(term if strides[d] == "1" else f"({term}) * {strides[d]}" if len(idx) > 1 else f"{term} * {strides[d]}")
-            masks = self._tensor_mask(target, masks)
+            masks = self._tensor_mask(target, masks, dyn=False)
             off = f"off{j}"
             self.emit(f"{off} = {' + '.join(terms) if terms else '0'}")
             mask = None
@@ -333,12 +482,12 @@ class _Gen:
             if fd != -1:
                 s = strides[fd]
                 step = str(tile[fd]) if s == "1" else f"{tile[fd]} * {s}"
-            res.append((off, mask, step))
+            res.append((off, mask, step, self.dyn_mask(target)))
             self._load_dims = getattr(self, "_load_dims", {})
             self._load_dims[j] = dims
         return res
 
-    def _tensor_mask(self, target: tuple[int, ...], row_masks: list[str]) -> list[str]:
+    def _tensor_mask(self, target: tuple[int, ...], row_masks: list[str], dyn: bool = True) -> list[str]:
         """Padding mask plus row conditions; a scalar row test is widened to the tile
         (scalar masks mixed into tile masks are not portable)."""
         import re
@@ -348,17 +497,19 @@ class _Gen:
             if target and not re.search(r"\br\d+\b", m):
                 m = m.replace("(", f"(tl.zeros({self.shape_of(target)}, tl.int32) + ", 1)
             out.append(m)
-        pm = self.pad_mask(target)
+        pm = self.pad_mask(target, dyn=dyn)
         return [pm, *out] if pm else out
 
-    def _emit_load(self, j: int, setup: tuple[str, str | None, str], depth: int) -> _Val:
-        off, mask, step = setup
+    def _emit_load(self, j: int, setup: tuple[str, str | None, str, str | None], depth: int) -> _Val:
+        off, mask, step, dyn_mask = setup
         src = self.block.inputs[j].source
         ptr = f"in{src}_ptr + {off}" + (f" + i * ({step})" if step != "0" else "")
-        m = f", mask={mask}, other=0.0" if mask else ""
-        cast = "" if self.arg_storage[src] == "float32" else ".to(tl.float32)"
+        full = " & ".join(x for x in (mask, dyn_mask) if x)
+        m = f", mask={full}, other=0.0" if full else ""
+        raw = j in self.raw_loads
+        cast = "" if self.arg_storage[src] == "float32" or raw else ".to(tl.float32)"
         self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
-        return _Val(f"t{j}", self._load_dims[j], True)
+        return _Val(f"t{j}", self._load_dims[j], True, raw)
 
     def _emit_store(self, j: int, bo, v: _Val) -> None:
         blk = self.block
@@ -366,7 +517,7 @@ class _Gen:
         v = self.natural(v, t)
         shape, tile = self.out_infos[j].shape, self.tiles[t].shape
         row = self.out_rows[j]
-        strides = self.strides(shape, row)
+        strides = self.strides(shape, row, self.out_ext[j])
         n_partial = len(shape) - len(tile)
         target = self.classes(t, v.dims)
         terms, masks = [], []
@@ -471,16 +622,22 @@ class _Gen:
         if ck is not None and not b.zero:
             bm = self.masked(b, ib, (ck,), "0.0")
         if t in self.dot_ops:
-            if trans and ib not in self.load_transposed:
-                bm = f"tl.trans({bm})"
             prec = self.params.dot_precision
             if prec == "auto":
                 prec = "tf32" if self.low else "ieee"
-            if prec == "input" and self.low:
-                am, bm = f"({am}).to({TL_DTYPES[self.low]})", f"({bm}).to({TL_DTYPES[self.low]})"
-                self.emit(f"{name} = tl.dot({am}, {bm})", depth)
+            kw = ""
+            if self.dot_native:
+                low = TL_DTYPES[self.low]
+                am = am if a.raw else f"({am}).to({low})"
+                bm = bm if b.raw else f"({bm}).to({low})"
             else:
-                self.emit(f'{name} = tl.dot({am}, {bm}, input_precision="{"ieee" if prec == "input" else prec}")', depth)
+                kw = f', input_precision="{"ieee" if prec == "input" else prec}"'
+            b_nk = trans and ib not in self.load_transposed  # b holds [N, K]
+            if self.params.dot_swap:  # (A @ B)^T = B^T @ A^T: the weight's columns are the MMA's M side
+                bt = bm if b_nk else f"tl.trans({bm})"
+                self.emit(f"{name} = tl.trans(tl.dot({bt}, tl.trans({am}){kw}))", depth)
+            else:
+                self.emit(f"{name} = tl.dot({am}, {f'tl.trans({bm})' if b_nk else bm}{kw})", depth)
             return _Val(name, self.kept(t), a.zero and b.zero)
         cb = self.bd.cls[ib]
         nb = len(sb) - 2 if trans else len(sb) - 1
@@ -543,11 +700,14 @@ class _Gen:
             if need_alpha:
                 self.emit(f"mxprev{t} = mx{t}", 2)
             self.emit(f"mx{t} = tl.maximum(mx{t}, {rowmax})", 2)
-            if need_alpha:
+            if need_alpha and c_last in self.dyn:  # an iteration of masked positions only: nothing to rescale (no -inf - -inf)
+                self.emit(f'alpha{t} = tl.where(mx{t} == float("-inf"), 1.0, tl.exp(mxprev{t} - mx{t}))', 2)
+            elif need_alpha:
                 self.emit(f"alpha{t} = tl.exp(mxprev{t} - mx{t})", 2)
             return _Val(f"mx{t}", self.kept(t), False)
         if fn in ("sum", "rescaled_sum"):
-            contrib = x.name
+            kept_dyn = tuple(c for c in self.classes(src, x.dims) if c in self.dyn)
+            contrib = self.masked(x, src, kept_dyn, "0.0") if kept_dyn else x.name
         elif fn in ("sum_last", "rescaled_sum_last"):
             contrib = f"tl.sum({self.masked(x, src, (c_last,), '0.0')}, axis={axis})" if c_last is not None else x.name
         elif fn in ("mean_sq_last", "rms_last"):
@@ -592,8 +752,21 @@ def generate_kernel(
     out_rows: list[int | None],
     params: CodegenParams,
     where: str,
+    arg_ext: list[dict[int, int]] | None = None,
+    out_ext: list[dict[int, int]] | None = None,
 ) -> KernelSource:
-    """Triton source for one customized operator (see the module docstring)."""
+    """Triton source for one customized operator (see the module docstring).
+
+    ``arg_ext`` / ``out_ext``: per kernel input / output, its variable-extent dims (dim -> extent id)."""
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
-    return _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where).generate()
+    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext)
+    f = params.k_chunks
+    if f > 1 and any(bi.forloop_dim != -1 for bi in op.block.inputs):
+        check_loop_refinable(op.block, gen.bd, f, where)
+        refined = dataclasses.replace(op, block=dataclasses.replace(op.block, forloop_range=op.block.forloop_range * f))
+        try:
+            gen = _Gen(name, refined, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext)
+        except MuGraphError as e:
+            raise CodegenError(f"{where}: k_chunks={f} does not divide the loop tiles: {e}") from e
+    return gen.generate()

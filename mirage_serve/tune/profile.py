@@ -89,6 +89,7 @@ def profile_candidate(
     reps: int = 50,
     warmup: int = 5,
     cuda_graph: bool = True,
+    variable_dims: tuple[tuple[int, int], ...] = (),
 ) -> ProfileResult:
     """Compile, float-check against the float64 reference and time one candidate.
 
@@ -101,7 +102,7 @@ def profile_candidate(
     out_dtype = TORCH_DTYPES[graph.info[graph.outputs[0]].dtype]
     try:
         t0 = time.perf_counter()
-        compiled = compile_graph(graph, make_params(params))
+        compiled = compile_graph(graph, make_params(params), variable_dims)
         inputs = random_device_inputs(graph, device, gen)
         outs = compiled(*inputs)
         torch.cuda.synchronize()
@@ -117,4 +118,4 @@ def profile_candidate(
     n_sets = sets_for(floor_bytes(graph))
     arg_sets = [inputs] + [random_device_inputs(graph, device, gen) for _ in range(n_sets - 1)]
     t = time_calls(compiled, arg_sets, cuda_graph=cuda_graph, warmup=warmup, reps=reps)
-    return ProfileResult(True, err, tol, t.median_us, t.p20_us, t.p80_us, t.sets, compile_s)
+    return ProfileResult(True, err, tol, t.median_us, t.p20_us, t.p80_us, t.sets, compile_s, extra={"kernels": compiled.kernel_stats()})

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU session's work on a lent H200, in order: `tests` (GPU codegen tests), `kernels` (the
+# kernel table, parameters tuned in the run), `e2e` (end-to-end decode). Writes logs and results
+# under $OUT. Usage: bash benchmarks/h200_run.sh tests kernels [e2e] -- [extra kernels.py args]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+steps=(); extra=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
+  steps+=("$1"); shift
+done
+start=$(date +%s)
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)'; nproc; } 2>&1 | tee "$OUT/env.txt"
+for s in "${steps[@]}"; do
+  echo "=== $s at +$(( $(date +%s) - start ))s"
+  case $s in
+    tests) timeout 150 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_codegen_gpu.py tests/test_tune_profile.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log" ;;
+    kernels) python3 benchmarks/kernels.py --out "$OUT" "${extra[@]}" 2>&1 | grep -v "^|\|^$\|^<\|^#\|^- " | tee "$OUT/kernels.log" | tail -40 ;;
+    e2e) python3 benchmarks/e2e.py --out "$OUT" 2>&1 | tail -40 | tee "$OUT/e2e.log" ;;
+  esac
+done
+echo "=== done at +$(( $(date +%s) - start ))s"

@@ -1,0 +1,106 @@
+"""The codegen parameters worth trying for a μGraph, and their neighbours.
+
+The μGraph fixes the tiling (grid, loop range, tile sizes); codegen still has
+knobs (:class:`mirage_serve.codegen.CodegenParams`). What is worth trying
+follows from a few features of the graph, never from the benchmark case:
+
+* **matmul math.** Tile matmuls with one row are GEMV-shaped: broadcast-multiply
+  -reduce on the CUDA cores (``fma``) is the only sensible lowering. With 2 rows
+  or more, ``tl.dot`` on the 16-bit operands (``matmul="dot"``,
+  ``dot_precision="input"``, rows padded to 16) is tried, and ``fma`` next to it
+  while its 3-D broadcast product fits in registers (:data:`FMA_MAX_PRODUCT`);
+  the profile decides.
+* **neighbours** of a (graph, params) point change one knob each: warps 4↔8,
+  software-pipelining depth, programmatic dependent launch for graphs of more
+  than one kernel, the swapped MMA orientation for dots, a split of the loop
+  into chunks. :func:`mirage_serve.tune.search.tune` walks them from the best
+  points of a first round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mirage_serve.mugraph.graph import KernelGraph
+from mirage_serve.mugraph.shapes import block_tile_infos
+
+DOT_NATIVE = {"matmul": "dot", "dot_precision": "input"}
+
+
+def graph_features(graph: KernelGraph) -> dict[str, Any]:
+    """Rows of the widest tile matmul, the largest broadcast product a GEMV-style lowering of a
+    tile matmul holds in registers, kernel count, loop ranges and 16-bit-ness of ``graph``."""
+    info = graph.info
+    rows, prod, loops, kernels = 0, 0, [], 0
+    for op in graph.ops:
+        if op.kind != "customized":
+            continue
+        kernels += 1
+        blk = op.block
+        loops.append(blk.forloop_range)
+        tiles = block_tile_infos(blk, [info[t] for t in op.inputs])
+        for bop in blk.ops:
+            if bop.kind == "matmul":
+                a, b = tiles[bop.inputs[0]].shape, tiles[bop.inputs[1]].shape
+                m, k = (a[-2] if len(a) >= 2 else 1), a[-1]
+                n = b[-2] if bop.attr("trans_b") else b[-1]
+                rows = max(rows, m)
+                prod = max(prod, m * n * k)
+    low = any(info[t].dtype in ("bfloat16", "float16") for t in graph.input_ids)
+    return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low}
+
+
+#: Elements of a GEMV-style broadcast product (rows x columns x inner) above which fma code
+#: spills registers at 4 warps (128 per thread); such points are tried only without an alternative.
+FMA_MAX_PRODUCT = 16384
+
+
+def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
+    """First-round parameter sets for ``graph`` (see the module docstring)."""
+    f = graph_features(graph)
+    if f["matmul_rows"] <= 1:
+        return [{"matmul": "fma"}]
+    dot = dict(DOT_NATIVE) if f["low_precision"] else {"matmul": "dot"}
+    if f["max_loop"] > 1:
+        dot["num_stages"] = 3
+    return ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot]
+
+
+def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Parameter sets one knob away from ``params`` that can matter for ``graph``."""
+    f = graph_features(graph)
+    p = dict(params)
+    out: list[dict[str, Any]] = []
+
+    def with_(**kw: Any) -> None:
+        q = {**p, **kw}
+        q = {k: v for k, v in q.items() if not (k in _DEFAULTS and v == _DEFAULTS[k])}
+        if q != {k: v for k, v in p.items() if not (k in _DEFAULTS and v == _DEFAULTS[k])} and q not in out:
+            out.append(q)
+
+    with_(num_warps=8 if p.get("num_warps", 4) == 4 else 4)
+    if f["max_loop"] > 1:
+        st = p.get("num_stages", 2)
+        for s in (2, 3, 4):
+            if s != st:
+                with_(num_stages=s)
+    if f["kernels"] > 1:
+        with_(pdl=0 if p.get("pdl", 0) else 1)
+    if p.get("matmul") == "dot":
+        with_(dot_swap=0 if p.get("dot_swap", 0) else 1)
+    if f["max_loop"] >= 1 and p.get("k_chunks", 1) == 1:
+        with_(k_chunks=2)
+    return out
+
+
+def merge(base: dict[str, Any], better: list[dict[str, Any]]) -> dict[str, Any]:
+    """``base`` with every knob that some neighbour in ``better`` changed for the better."""
+    out = dict(base)
+    for q in better:
+        for k, v in q.items():
+            if base.get(k, _DEFAULTS.get(k)) != v:
+                out[k] = v
+    return out
+
+
+_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1}

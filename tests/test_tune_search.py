@@ -1,0 +1,87 @@
+"""The parameter search of mirage_serve.tune (CPU parts): first round, neighbours, merge, and the search
+driven with a stand-in for profiling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from codegen_graphs import two_kernel_add_rmsnorm_linear
+from handwritten import fused_rmsnorm_linear, split_kv_attention
+
+from mirage_serve.codegen import CodegenParams, supports
+from mirage_serve.tune import search, space
+
+
+def test_initial_params_follow_the_rows_of_the_tile_matmuls():
+    assert space.initial_params(fused_rmsnorm_linear(1, 4096, 6144, 768, 4, dtype="bfloat16")) == [{"matmul": "fma"}]
+    b8 = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 32, dtype="bfloat16"))  # 8 x 16 x 128 product fits
+    assert b8 == [{"matmul": "fma"}, {"matmul": "dot", "dot_precision": "input", "num_stages": 3}]
+    big = space.initial_params(split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16"))  # 4 x 64 x 128 would spill
+    assert big == [{"matmul": "dot", "dot_precision": "input", "num_stages": 3}]
+    assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2)) [-1] == {"matmul": "dot", "num_stages": 3}
+
+
+def test_neighbours_change_one_knob_each_and_only_where_it_matters():
+    one = fused_rmsnorm_linear(8, 1024, 512, 16, 4, dtype="bfloat16")
+    two = two_kernel_add_rmsnorm_linear(8, 1024, 512, 16, 4, dtype="bfloat16")
+    base = {"matmul": "dot", "dot_precision": "input", "num_stages": 3}
+    n1, n2 = space.neighbours(one, base), space.neighbours(two, base)
+    assert all(sum(q.get(k) != base.get(k) for k in set(q) | set(base)) == 1 for q in n1)
+    assert not any("pdl" in q for q in n1) and any(q.get("pdl") == 1 for q in n2)
+    assert any(q.get("dot_swap") == 1 for q in n1) and any(q.get("num_warps") == 8 for q in n1)
+    assert not any("dot_swap" in q for q in space.neighbours(one, {"matmul": "fma"}))
+    for q in n1 + n2:
+        CodegenParams(**q)  # every neighbour is a valid parameter set
+    assert space.merge(base, [{**base, "num_warps": 8}, {**base, "pdl": 1}]) == {**base, "num_warps": 8, "pdl": 1}
+
+
+class _Compiled(search.Precompiler):
+    """Every point compiles (no worker processes)."""
+
+    def compile(self, trials):
+        for t in trials:
+            t.compile = {"ok": True, "spills": 0}
+
+
+def test_search_refines_the_leaders_and_merges_what_helped(monkeypatch):
+    """Profiling replaced by a stand-in time: 8 warps and 4 stages each help; the merge gets both."""
+    from mirage_serve.tune import profile
+
+    def fake(graph, params=None, *, spec=None, device="cuda", reps=50, variable_dims=()):
+        p = dict(params or {})
+        ok, why = supports(graph, profile.make_params(p))
+        if not ok:
+            return profile.ProfileResult(False, math.inf, 0.02, error=why)
+        t = 10.0 + graph.customized_ops[0].block.grid[0] / 100
+        t -= 1.0 if p.get("num_warps") == 8 else 0.0
+        t -= 0.5 if p.get("num_stages") == 4 else 0.0
+        t += 5.0 if p.get("matmul") == "fma" else 0.0
+        return profile.ProfileResult(True, 1e-3, 0.02, median_us=t)
+
+    monkeypatch.setattr(profile, "profile_candidate", fake)
+    cands = [search.Candidate(f"c{nb}", fused_rmsnorm_linear(8, 1024, 512, nb, 4, dtype="bfloat16")) for nb in (16, 32, 64)]
+    res = search.tune(cands, spec=None, device="cpu", top=2, precompiler=_Compiled(1))
+    best = res.best
+    assert best.candidate.name == "c16" and best.round == 3
+    assert best.params["num_warps"] == 8 and best.params["num_stages"] == 4 and best.time_us == pytest.approx(10.16 - 1.5)
+    assert {t.candidate.name for t in res.trials if t.round == 2} == {"c16", "c32"}
+    assert [t.time_us for t in res.ranked()][:1] == [best.time_us]
+
+
+def test_spilling_points_are_timed_only_without_a_spill_free_one(monkeypatch):
+    from mirage_serve.tune import profile
+
+    calls = []
+
+    def fake(graph, params=None, **kw):
+        calls.append(dict(params or {}))
+        return profile.ProfileResult(True, 1e-3, 0.02, median_us=5.0)
+
+    monkeypatch.setattr(profile, "profile_candidate", fake)
+    c = search.Candidate("c", fused_rmsnorm_linear(8, 1024, 512, 16, 4, dtype="bfloat16"))
+    t_spill, t_ok = search.Trial(c, {"matmul": "fma"}, 1), search.Trial(c, {"matmul": "dot", "dot_precision": "input"}, 1)
+    t_spill.compile, t_ok.compile = {"ok": True, "spills": 512}, {"ok": True, "spills": 0}
+    res = search.tune([c], spec=None, device="cpu", top=0, precompiled=[t_spill, t_ok])
+    assert calls == [{"matmul": "dot", "dot_precision": "input"}]
+    assert "spills 512 bytes" in next(t for t in res.trials if t is t_spill).result["skipped"]
