@@ -113,29 +113,50 @@ def apply_op(alg, op: Op, ins: list[Any], rank: int | None = None) -> Any:
         return d - rank if rank is not None and d >= 0 else d
 
     if k == "matmul":
-        return alg.matmul(ins[0], ins[1], bool(op.attr("trans_b", False)))
+        a, b = ins
+        if rank is not None and len(alg.shape(b)) < len(alg.shape(a)):  # a rank-2 b is shared by a's batch dims
+            a, b = _align_tile_ranks(alg, a, b)
+        return alg.matmul(a, b, bool(op.attr("trans_b", False)))
     if k == "unary":
         return alg.unary(op.attr("fn"), ins[0], op.attr("scalar"))
     if k == "binary":
         a, b = ins
-        if rank is not None:  # block level: align tile ranks after the 3 grid dims, not across them
-            ra, rb = len(alg.shape(a)), len(alg.shape(b))
-            if ra < rb:
-                a = alg.map(a, lambda t, n=rb - ra: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
-            elif rb < ra:
-                b = alg.map(b, lambda t, n=ra - rb: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
+        if rank is not None:
+            a, b = _align_tile_ranks(alg, a, b)
         return alg.binary(op.attr("fn"), a, b)
     if k == "reduce":
         fn = op.attr("fn")
         f = alg.sum if fn == "sum" else alg.max
         return f(ins[0], dim(-1), bool(op.attr("keepdim", True)))
     if k == "rms_norm":
-        return alg.rms_norm(ins[0], ins[1] if len(ins) > 1 else None, float(op.attr("eps", 0.0)))
+        x, w = ins[0], ins[1] if len(ins) > 1 else None
+        if rank is not None and w is not None:
+            x, w = _align_tile_ranks(alg, x, w)
+        return alg.rms_norm(x, w, float(op.attr("eps", 0.0)))
     if k == "concat":
-        return alg.cat(ins, dim(0))
+        return alg.cat(_expand_grid(alg, ins) if rank is not None else ins, dim(0))
     if k == "sum_to":
         return sum_to(alg, ins[0], op.attr("size"))
     raise MuGraphError(f"cannot execute operator kind {k!r} here")
+
+
+def _align_tile_ranks(alg, a, b):
+    """Block level: give the lower-rank tile leading 1s after its 3 grid dims, so
+    tiles broadcast against each other and grid dims only against grid dims."""
+    ra, rb = len(alg.shape(a)), len(alg.shape(b))
+    if ra < rb:
+        a = alg.map(a, lambda t, n=rb - ra: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
+    elif rb < ra:
+        b = alg.map(b, lambda t, n=ra - rb: t.reshape(*t.shape[:3], *(1,) * n, *t.shape[3:]))
+    return a, b
+
+
+def _expand_grid(alg, xs: list[Any]) -> list[Any]:
+    """Block level: tiles that vary over different grid dims (size 1 along the
+    others) expanded to the common grid, so they can be concatenated."""
+    shapes = [alg.shape(x) for x in xs]
+    grid = [max(s[g] for s in shapes) for g in range(3)]
+    return [alg.map(x, lambda t, g=grid: t.expand(*g, *t.shape[3:])) if list(s[:3]) != grid else x for x, s in zip(xs, shapes, strict=True)]
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:

@@ -134,7 +134,12 @@ def infer_tile_op(op: Op, ins: list[TensorInfo], where: str) -> TensorInfo:
                 raise MuGraphError(
                     f"{where}: weight's last dim {ins[1].shape[-1]} != hidden size {ins[0].shape[-1]} of x{list(ins[0].shape)}"
                 )
-            broadcast_shapes(ins[0].shape, ins[1].shape, where)
+            out = broadcast_shapes(ins[0].shape, ins[1].shape, where)
+            if out != ins[0].shape:
+                raise MuGraphError(
+                    f"{where}: weight{list(ins[1].shape)} would broadcast x{list(ins[0].shape)} to {list(out)}; "
+                    "rms_norm keeps the shape of x, so the weight must broadcast to it"
+                )
         return TensorInfo(ins[0].shape, ins[0].dtype)
     if kind == "concat":
         if not ins:
