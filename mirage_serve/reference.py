@@ -283,6 +283,9 @@ def _accum_step(alg, op: Op, tid: int, ins: list[Any], in_ids, state, prev_max, 
         raise MuGraphError(f"unknown accumulator {fn!r}")
     if fn.startswith("rescaled"):
         m = ins[1]
+        extra = len(alg.shape(m)) - len(alg.shape(x))
+        if extra > 0:  # a max of higher rank has leading 1s (shape rule): drop them after the grid dims
+            m = alg.map(m, lambda t: t.reshape(*t.shape[:3], *t.shape[3 + extra :]))
         if it == 0:
             state[tid] = contrib
         else:

@@ -70,3 +70,36 @@ def test_rms_norm_weight_must_broadcast_to_x():
     x, w = g.input("X", (4, 8)), g.input("W", (1, 8))  # a weight that broadcasts to x is fine
     (out,) = execute(g.build([g.rms_norm(x, w, 1e-6)]), [_x(4, 8), _x(1, 8, seed=1)])
     assert out.shape == (4, 8)
+
+
+@pytest.mark.xfail(strict=True, reason="mugraph/shapes.py accepts a rescaled accumulator whose running max broadcasts its tile to a "
+                   "larger shape, declaring the tile's shape, which the reference cannot store; refusing it breaks the graph strategy of "
+                   "tests/test_mugraph_json.py, which builds such accumulators, so the rule is left to the IR's owner")
+def test_rescaled_accumulator_refuses_a_max_that_would_enlarge_its_tile():
+    # found by the fuzzer: rescaled_sum(y [1, 1], m [2, 1]) validates with y's shape, and the reference
+    # crashes storing the [2, 1] value it computes
+    g = GraphBuilder()
+    x, y = g.input("X", (2, 8)), g.input("Y", (1, 1))
+    blk = BlockBuilder((1,), 2)
+    tx, ty = blk.input(0, (-1,), 1), blk.input(1, (-1,), -1)
+    m = blk.accum("max_last", tx)
+    blk.output(blk.accum("rescaled_sum", ty, m), (-1,))
+    g.customized([x, y], blk.build())
+    with pytest.raises(MuGraphError, match="running max"):
+        g.build([2])
+
+
+def test_rescaled_accumulator_with_a_max_of_higher_rank_runs():
+    # the max may carry leading 1s: rescaled_sum_last(B [4] chunks, m [1, 1]) is a rank-1 accumulation
+    g = GraphBuilder()
+    a, bv = g.input("A", (1, 8)), g.input("B", (8,))
+    blk = BlockBuilder((1,), 2)
+    ta, tb = blk.input(0, (-1,), 1), blk.input(1, (-1,), 0)
+    m = blk.accum("max_last", ta)
+    blk.output(blk.accum("rescaled_sum_last", tb, m), (-1,))
+    (y,) = g.customized([a, bv], blk.build())
+    A, B = _x(1, 8), _x(8, seed=1)
+    (out,) = execute(g.build([y]), [A, B])
+    m1, m2 = A[0, :4].max(), A[0].max()
+    want = B[:4].sum() * torch.exp(m1 - m2) + B[4:].sum()
+    assert out.shape == (1,) and torch.allclose(out[0], want, atol=1e-12)
