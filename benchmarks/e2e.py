@@ -13,6 +13,13 @@ weights (no checkpoint), a random prompt of ``--prompt`` tokens, and decodes
 ms/token excludes prefill (generate(new) minus generate(1), over new-1 tokens).
 Greedy tokens of every contender are compared with ``hf_sdpa``'s. Run as
 ``python benchmarks/e2e.py`` or ``mirage-serve bench e2e MODEL_ID``.
+
+The patched contenders read kernels from ``--cache-dir``; ``--tuned-from
+kernels-<tag>.json`` (a :mod:`kernels` run on the same GPU) first writes a cache
+there with the winning RMSNorm→linear μGraph and codegen parameters of each
+batch bucket the run measured at this model's shapes, each verified against its
+spec (finite-field trials and a float check) before it is stored. The stock
+contenders run first, on the unpatched model, for every batch size.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick runs)")
     parser.add_argument("--cache-dir", default=None, help="kernel cache for the patched contenders")
+    parser.add_argument("--tuned-from", default=None, help="kernels benchmark JSON whose winners fill --cache-dir (a temporary one if unset)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--out", default=None, help="directory for JSON/markdown/plot (default benchmarks/results or $OUT)")
     parser.add_argument("--tag", default="e2e")
@@ -100,8 +108,79 @@ def _time_static(model, ids, new: int, torch) -> tuple[float, object, float]:
     return stats.ms_per_token, out, stats.capture_s
 
 
+def build_tuned_cache(kernels_json: str, cache_dir: str, config: dict, batches: list[int], dtype: str = "bfloat16") -> list[dict]:
+    """Cache entries for this model's RMSNorm→linear shapes from a kernels run's winners (see the module docstring)."""
+    import importlib.util
+
+    from mirage_serve.cache import CacheEntry, CacheKey, KernelCache, current_gpu_arch
+    from mirage_serve.codegen import CodegenParams
+    from mirage_serve.specs import build_spec
+    from mirage_serve.verify import verify_equivalent
+
+    spec_v = importlib.util.spec_from_file_location("mirage_bench_variants", Path(__file__).parent / "variants.py")
+    V = importlib.util.module_from_spec(spec_v)
+    spec_v.loader.exec_module(V)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    wanted = {(heads + 2 * kv_heads) * head_dim, 2 * inter}
+    cache = KernelCache(cache_dir)
+    report = json.loads(Path(kernels_json).read_text())
+    written = []
+    for case in report["cases"]:
+        d, ours = case["dims"], case.get("ours", {})
+        if case["spec"] != "rmsnorm_linear" or d["hidden"] != hidden or d["out"] not in wanted or d["batch"] not in batches or "median_us" not in ours:
+            continue
+        cand = next((c for c in V.candidates_for("rmsnorm_linear", d, dtype, eps=eps) if c.name == ours["variant"]), None)
+        if cand is None:
+            continue
+        spec = build_spec("rmsnorm_linear", d, dtype, eps=eps)
+        t0 = time.perf_counter()
+        cert = verify_equivalent(cand.graph, spec, trials=2, seed=0)
+        row = {"dims": d, "variant": ours["variant"], "params": ours["params"], "verdict": cert.verdict, "verify_s": round(time.perf_counter() - t0, 1)}
+        if cert.verdict == "equivalent":
+            params = CodegenParams(**ours["params"]).cache_params()
+            key = CacheKey("rmsnorm_linear", d, dtype, gpu_arch=current_gpu_arch(), options={"eps": eps})
+            cache.put(CacheEntry.create(key, cand.graph, certificate=cert, params=params, timings={"latency_us": float(ours["median_us"])}))
+        written.append(row)
+        print(json.dumps(row), flush=True)
+    return written
+
+
+def tuned_provider(cache_dir: str):
+    """A kernel provider that compiles each cache entry with the codegen parameters stored in it."""
+    from mirage_serve.cache import KernelCache
+    from mirage_serve.codegen import CodegenParams, compile_graph
+    from mirage_serve.integrations.kernels import KernelProvider
+
+    class TunedProvider(KernelProvider):
+        def _find(self, *a):
+            k = super()._find(*a)
+            if k is not None and k.backend == "triton":
+                entry = next((e for e in self.cache.entries() if e.key.entry_id == k.entry_id), None)
+                if entry is not None and entry.params:
+                    k._compiled = compile_graph(k.graph, CodegenParams.from_dict(dict(entry.params)))
+            return k
+
+    return TunedProvider(KernelCache(cache_dir))
+
+
+def _source_checkout_packages() -> None:
+    """From a source checkout that is not installed, map models/ to mirage_serve.models as the package does."""
+    import importlib.util
+
+    import mirage_serve
+
+    if importlib.util.find_spec("mirage_serve.models") is None:
+        mirage_serve.__path__.append(str(Path(__file__).resolve().parents[1]))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    _source_checkout_packages()
 
     from mirage_serve.model_ids import resolve_config
 
@@ -119,50 +198,65 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     bw = _bandwidth_gbs(torch)
+    cache_dir = args.cache_dir
+    tuned_entries = []
+    if args.tuned_from:
+        import tempfile
+
+        cache_dir = cache_dir or tempfile.mkdtemp(prefix="mirage-e2e-cache-")
+        tuned_entries = build_tuned_cache(args.tuned_from, cache_dir, config, batches)
     model = _random_model(config, args.layers, torch)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     tokens: dict[tuple[int, str], object] = {}
     gen = torch.Generator(device="cuda").manual_seed(1)
     report = None
+    prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt), device="cuda", generator=gen) for b in batches}
+    floor = 1e3 * weight_bytes / (bw * 1e9)
     for b in batches:
-        ids = torch.randint(0, model.config.vocab_size, (b, args.prompt), device="cuda", generator=gen)
-        floor = 1e3 * weight_bytes / (bw * 1e9)
         rows.append({"batch": b, "contender": "floor", "ms_per_token": floor})
-        for c in contenders:
-            if c.startswith("patched") and report is None:
-                report = patch_model(model, args.cache_dir)
-                print(report, flush=True)
-            if c in ("hf_eager", "hf_sdpa"):
-                if report is not None:
-                    continue  # stock contenders run before the model is patched
-                model.set_attn_implementation(c.removeprefix("hf_"))
-            try:
-                if c in ("hf_eager", "hf_sdpa", "patched_hf"):
-                    ms, out = _time_hf(model, ids, args.new, torch)
-                    capture = None
-                else:
-                    ms, out, capture = _time_static(model, ids, args.new, torch)
-            except Exception as e:  # record and go on: one failing contender must not hide the others
-                rows.append({"batch": b, "contender": c, "error": f"{type(e).__name__}: {e}"})
-                print(f"batch {b} {c}: {type(e).__name__}: {e}", flush=True)
-                continue
-            tokens[(b, c)] = out
-            ref = tokens.get((b, "hf_sdpa"))
-            same = None if ref is None else float((out[:, args.prompt:] == ref[:, args.prompt:]).float().mean())
-            row = {"batch": b, "contender": c, "ms_per_token": ms, "x_floor": ms / floor, "tokens_equal_to_hf_sdpa": same}
-            if capture is not None:
-                row["capture_s"] = capture
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    stock = [c for c in contenders if not c.startswith("patched")]
+    patched = [c for c in contenders if c.startswith("patched")]
+    for phase in (stock, patched):
+        if phase is patched and phase:
+            report = patch_model(model, provider=tuned_provider(cache_dir) if cache_dir else None)
+            print(report.summary(), flush=True)
+        for b in batches:
+            ids = prompts[b]
+            for c in phase:
+                if c in ("hf_eager", "hf_sdpa"):
+                    model.set_attn_implementation(c.removeprefix("hf_"))
+                try:
+                    if c in ("hf_eager", "hf_sdpa", "patched_hf"):
+                        ms, out = _time_hf(model, ids, args.new, torch)
+                        capture = None
+                    else:
+                        ms, out, capture = _time_static(model, ids, args.new, torch)
+                except Exception as e:  # record and go on: one failing contender must not hide the others
+                    rows.append({"batch": b, "contender": c, "error": f"{type(e).__name__}: {e}"})
+                    print(f"batch {b} {c}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                tokens[(b, c)] = out
+                ref = tokens.get((b, "hf_sdpa"))
+                same = None if ref is None else float((out[:, args.prompt:] == ref[:, args.prompt:]).float().mean())
+                row = {"batch": b, "contender": c, "ms_per_token": ms, "x_floor": ms / floor, "tokens_equal_to_hf_sdpa": same}
+                static = tokens.get((b, "static_graph"))
+                if c == "patched_graph" and static is not None:
+                    row["tokens_equal_to_static_graph"] = float((out[:, args.prompt:] == static[:, args.prompt:]).float().mean())
+                if capture is not None:
+                    row["capture_s"] = capture
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     result = {
         "benchmark": "e2e",
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
         "model": args.model_id, "layers": model.config.num_hidden_layers, "prompt": args.prompt, "new_tokens": args.new,
-        "copy_bandwidth_gbs": bw, "weight_bytes": weight_bytes,
+        "copy_bandwidth_gbs": bw, "weight_bytes": weight_bytes, "tuned_entries": tuned_entries,
+        "codegen_version": __import__("mirage_serve.codegen", fromlist=["CODEGEN_VERSION"]).CODEGEN_VERSION,
         "kernel_calls": report.kernel_calls() if report else {}, "misses": report.misses if report else {},
+        "disabled": {k.entry_id: k.disabled for k in (report.provider._memo.values() if report and report.provider else []) if k is not None and k.disabled},
         "patch_summary": report.summary() if report else None,
         "rows": rows,
     }

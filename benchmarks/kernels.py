@@ -247,20 +247,43 @@ def _cuda_alive() -> bool:
         return False
 
 
-def run_case(case: Case, args, copy_bw: float, deadline: float, precompiler=None, precompiled=None) -> dict[str, Any]:
+def _record(res: dict[str, Any], label: str):
+    """An ``on_trial`` callback that appends each tuning point to ``res["variants"]``."""
+
+    def record(t) -> None:
+        r = t.result
+        entry = {"name": t.candidate.name, "params": t.params, "round": t.round, "schedule": t.candidate.schedule,
+                 "model_us": estimate(t.candidate.graph, t.params).time_s * 1e6, "compile": t.compile}
+        for k in ("rel_error", "passed", "median_us", "p20_us", "p80_us", "error", "skipped", "compile_s"):
+            if r.get(k) is not None:
+                entry[k] = r[k]
+        res["variants"].append(entry)
+        log.info("%s %-44s %s err=%s", label, t.label, entry.get("median_us"), entry.get("rel_error"))
+
+    return record
+
+
+def new_result(case: Case, copy_bw: float) -> dict[str, Any]:
+    spec = build_spec(case.spec, case.dims, dtype=DTYPE)
+    fb = floor_bytes(spec)
+    return {"label": case.label, "spec": case.spec, "dims": case.dims, "floor_bytes": fb, "floor_us": fb / copy_bw * 1e6,
+            "contenders": {}, "variants": []}
+
+
+def finish_case(case: Case, res: dict[str, Any], args) -> dict[str, Any]:
+    """Stock contenders and the tuned winner measured side by side on the same input sets, float-checked
+    against the same float64 reference; then the goals."""
     import torch
 
-    from mirage_serve.tune.profile import make_params, random_device_inputs
+    from mirage_serve.tune.profile import random_device_inputs
     from mirage_serve.tune.timing import relative_error, sets_for, time_calls, tolerance_for
 
     spec = build_spec(case.spec, case.dims, dtype=DTYPE)
-    fb = floor_bytes(spec)
-    n_sets = sets_for(fb, l2_bytes=getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2**20))
+    n_sets = sets_for(res["floor_bytes"], l2_bytes=getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2**20))
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     sets = [random_device_inputs(spec, "cuda", gen) for _ in range(n_sets)]
     tol = tolerance_for(_torch_dtype())
-    res: dict[str, Any] = {"label": case.label, "spec": case.spec, "dims": case.dims, "floor_bytes": fb, "floor_us": fb / copy_bw * 1e6,
-                           "sets": n_sets, "contenders": {}, "variants": []}
+    res["sets"] = n_sets
     refs: dict[str, Any] = {}
 
     def ref(kind):
@@ -271,9 +294,6 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, precompiler=None
     with torch.no_grad():
         for name, (fn, arg_sets, kind) in _stock_contenders(case, sets).items():
             if args.contenders is not None and name not in args.contenders:
-                continue
-            if time.time() > deadline:
-                res["contenders"][name] = {"skipped": "time budget"}
                 continue
             entry: dict[str, Any] = {}
             try:
@@ -291,37 +311,18 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, precompiler=None
                 entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             res["contenders"][name] = entry
             log.info("%s %-20s %s", case.label, name, entry.get("median_us"))
+        passed = [v for v in res["variants"] if v.get("passed") and "median_us" in v]
+        if passed:
+            best = min(passed, key=lambda v: v["median_us"])
+            res["ours"] = {"variant": best["name"], "params": best["params"], "tuning_us": best["median_us"],
+                           "tuning_rel_error": best["rel_error"]}
+            try:  # the chosen point measured again like the stock contenders: their input sets, their reference
+                from mirage_serve.codegen import compile_graph
+                from mirage_serve.tune.profile import make_params
 
-        if not args.no_variants and case.candidates:
-            from mirage_serve.tune.search import tune
-
-            def record(t) -> None:
-                r = t.result
-                entry = {"name": t.candidate.name, "params": t.params, "round": t.round, "schedule": t.candidate.schedule,
-                         "model_us": estimate(t.candidate.graph, t.params).time_s * 1e6, "compile": t.compile}
-                for k in ("rel_error", "passed", "median_us", "p20_us", "p80_us", "error", "skipped", "compile_s"):
-                    if r.get(k) is not None:
-                        entry[k] = r[k]
-                res["variants"].append(entry)
-                log.info("%s %-44s %s err=%s", case.label, t.label, entry.get("median_us"), entry.get("rel_error"))
-
-            tune(case.candidates, spec, device="cuda", reps=args.reps, top=args.top, precompiler=precompiler, deadline=deadline,
-                 precompiled=precompiled, on_trial=record)
-            if not _cuda_alive():
-                log.error("a candidate of %s broke the CUDA context", case.label)
-                raise SystemExit(3)
-    passed = [v for v in res["variants"] if v.get("passed") and "median_us" in v]
-    if passed:
-        best = min(passed, key=lambda v: v["median_us"])
-        res["ours"] = {"variant": best["name"], "params": best["params"], "tuning_us": best["median_us"], "tuning_rel_error": best["rel_error"]}
-        try:  # the chosen point measured again like the stock contenders: their input sets, their reference
-            from mirage_serve.codegen import compile_graph
-            from mirage_serve.tune.profile import make_params
-
-            cand = next(c for c in case.candidates if c.name == best["name"])
-            with torch.no_grad():
+                cand = next(c for c in case.candidates if c.name == best["name"])
                 compiled = compile_graph(cand.graph, make_params(best["params"]), cand.variable_dims)
-                o = compiled(*sets[0])[0]
+                o = compiled(*sets[0], poison=True)[0]
                 torch.cuda.synchronize()
                 err = relative_error(o, ref("spec"))
                 res["ours"]["rel_error"] = err
@@ -330,11 +331,11 @@ def run_case(case: Case, args, copy_bw: float, deadline: float, precompiler=None
                     res["ours"].update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us)
                 else:
                     res["ours"]["error"] = f"float check on the benchmark's inputs failed: {err:.3g} > {tol:.3g}"
-        except Exception as e:  # recorded; the case then has no "ours" time
-            res["ours"]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            except Exception as e:  # recorded; the case then has no "ours" time
+                res["ours"]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        res["model_rank_correlation"] = rank_correlation([(v["model_us"], v["median_us"]) for v in passed])
     res["targets"] = evaluate_targets(res)
     res["complete"] = True
-    res["model_rank_correlation"] = rank_correlation([(v["model_us"], v["median_us"]) for v in passed])
     sets.clear()  # free the GPU memory before the next case
     refs.clear()
     torch.cuda.empty_cache()
@@ -518,12 +519,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the cases, contenders and first-round tuning points (with cost-model estimates); no GPU")
     p.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parent / "results")), help="directory for JSON/markdown/plot")
     p.add_argument("--tag", default="run", help="file name tag: kernels-<tag>.json")
-    p.add_argument("--reps", type=int, default=50, help="timed CUDA-graph replays per contender")
+    p.add_argument("--reps", type=int, default=50, help="timed CUDA-graph replays per contender in the final table")
+    p.add_argument("--tune-reps", type=int, default=30, help="timed CUDA-graph replays per tuning point")
     p.add_argument("--top", type=int, default=2, help="candidates whose parameters the tuner refines after the first round")
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes compiling kernels in parallel")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=520.0, help="stop starting new measurements after this many seconds")
-    p.add_argument("--deadline-epoch", type=float, default=None, help="absolute deadline (time.time()), overrides --budget-s")
+    p.add_argument("--tune-budget-s", type=float, default=300.0, help="start no tuning measurement after this many seconds (the table is then still measured)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -547,34 +548,53 @@ def run(args: argparse.Namespace) -> int:
     torch._dynamo.config.cache_size_limit = 256  # one compiled module per input set must not fall back to eager
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
-    from mirage_serve.tune.search import Precompiler, first_round
+    from mirage_serve.tune.profile import clear_input_cache
+    from mirage_serve.tune.search import Precompiler, Tuner
     from mirage_serve.tune.timing import copy_bandwidth
 
     start = time.monotonic()
-    deadline = args.deadline_epoch or time.time() + args.budget_s
+    deadline = time.time() + args.tune_budget_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"kernels-{args.tag}.json", out / f"kernels-{args.tag}.md"
     copy_bw = copy_bandwidth()
-    report = {"environment": environment(copy_bw), "cases": []}
+    report: dict[str, Any] = {"environment": environment(copy_bw), "cases": []}
+    results = {c.label: new_result(c, copy_bw) for c in cases}
+    tuners = {} if args.no_variants else {
+        c.label: Tuner(c.candidates, build_spec(c.spec, c.dims, dtype=DTYPE), reps=args.tune_reps, top=args.top, deadline=deadline,
+                       on_trial=_record(results[c.label], c.label))
+        for c in cases if c.candidates}
     precompiler = Precompiler(args.workers)
-    rounds1 = {c.label: first_round(c.candidates) for c in cases} if not args.no_variants else {}
-    t0 = time.monotonic()
-    precompiler.compile([t for ts in rounds1.values() for t in ts])  # before any timing: compilation never overlaps a measurement
-    report["environment"]["precompile_s"] = round(time.monotonic() - t0, 1)
-    print(f"[{time.monotonic() - start:6.1f}s] compiled {sum(map(len, rounds1.values()))} first-round points with {args.workers} workers", flush=True)
+    rounds = []
     try:
-        for case in cases:
+        # every round of every case compiles in one parallel batch, then is timed case by case: compilation never overlaps a measurement
+        for rnd in (1, 2, 3):
+            batches = {label: tu.propose() for label, tu in tuners.items()}
             t0 = time.monotonic()
-            res = run_case(case, args, copy_bw, deadline, precompiler, rounds1.get(case.label))
-            res["wall_s"] = round(time.monotonic() - t0, 1)
-            report["cases"].append(res)
-            jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
-            print(f"[{time.monotonic() - start:6.1f}s] {case.label}: ours {_fmt(_t(res, 'ours'))} ({res.get('ours', {}).get('variant')} "
-                  f"{res.get('ours', {}).get('params')}) "
-                  + " ".join(f"{c}={_fmt(_t(res, c))}" for c in COLUMNS[1:] if _t(res, c) is not None) + f" floor={_fmt(res['floor_us'])}", flush=True)
+            precompiler.compile([t for b in batches.values() for t in b])
+            compile_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            for label, batch in batches.items():
+                tuners[label].measure(batch)
+                clear_input_cache()
+            rounds.append({"round": rnd, "points": sum(map(len, batches.values())), "compile_s": round(compile_s, 1),
+                           "measure_s": round(time.monotonic() - t0, 1)})
+            print(f"[{time.monotonic() - start:6.1f}s] tuning round {rnd}: {rounds[-1]}", flush=True)
+            if not _cuda_alive():
+                log.error("a tuning point broke the CUDA context")
+                raise SystemExit(3)
     finally:
         precompiler.close()
+    report["environment"]["tuning_rounds"] = rounds
+    for case in cases:
+        t0 = time.monotonic()
+        res = finish_case(case, results[case.label], args)
+        res["wall_s"] = round(time.monotonic() - t0, 1)
+        report["cases"].append(res)
+        jpath.write_text(json.dumps(clean_json(report), indent=1, default=_json_default, allow_nan=False))  # partial results survive a timeout
+        print(f"[{time.monotonic() - start:6.1f}s] {case.label}: ours {_fmt(_t(res, 'ours'))} ({res.get('ours', {}).get('variant')} "
+              f"{res.get('ours', {}).get('params')}) "
+              + " ".join(f"{c}={_fmt(_t(res, c))}" for c in COLUMNS[1:] if _t(res, c) is not None) + f" floor={_fmt(res['floor_us'])}", flush=True)
     mpath.write_text(markdown(report))
     plot(report, out / f"kernels-{args.tag}.png")
     print(markdown(report))

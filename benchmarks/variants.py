@@ -42,7 +42,6 @@ hw = _load_handwritten()
 
 from mirage_serve.tune.search import Candidate  # noqa: E402
 
-
 # ---------------------------------------------------------------- schedules written here
 
 
@@ -50,8 +49,9 @@ def split_k_rmsnorm_linear(batch: int, hidden: int, out: int, n_blocks: int, spl
                            eps: float = 1e-6, dtype: str = "float32") -> KernelGraph:
     """Kernel 1: grid (column blocks, K splits); each block accumulates x·g @ W^T over its K range
     and the mean of squares of its x range; partial sums go to memory.
-    Kernel 2: sums the K partials, averages the per-split means of squares (every column block
-    wrote the same value: max over them picks it exactly), scales by rsqrt(ms + eps)."""
+    Kernel 2: sums the K partials, averages the per-split means of squares over the splits and the
+    column blocks (every column block wrote the same values; an average, unlike picking one with a
+    max, stays inside the finite-field verifier's algebra), scales by rsqrt(ms + eps)."""
     g = GraphBuilder()
     x, gn, w = g.input("X", (batch, hidden), dtype), g.input("G", (hidden,), dtype), g.input("W", (out, hidden), dtype)
     b = BlockBuilder((n_blocks, splits), loop)
@@ -64,8 +64,8 @@ def split_k_rmsnorm_linear(batch: int, hidden: int, out: int, n_blocks: int, spl
     c = BlockBuilder((combine_blocks,), 1)
     ca, cm = c.input(0, (2,), -1), c.input(1, (0,), -1)
     total = c.reduce("sum", ca, 0, keepdim=False)
-    ms_split = c.reduce("max", cm, 0, keepdim=False)  # [splits, batch, 1]
-    mean = c.unary("mul_scalar", c.reduce("sum", ms_split, 0, keepdim=False), scalar=1.0 / splits)
+    ms_split = c.reduce("sum", cm, 0, keepdim=False)  # [splits, batch, 1]: the sum over this program's share of column blocks
+    mean = c.unary("mul_scalar", c.reduce("sum", ms_split, 0, keepdim=False), scalar=1.0 / (splits * (n_blocks // combine_blocks)))
     c.output(c.binary("mul", total, c.unary("rsqrt", c.unary("add_scalar", mean, scalar=eps))), (1,))
     (y,) = g.customized([p_acc, p_ms], c.build())
     return g.build([y])
@@ -137,21 +137,21 @@ def _combine_blocks(out: int, n_blocks: int) -> int:
     return 1
 
 
-def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str) -> list[Candidate]:
+def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps: float = 1e-6) -> list[Candidate]:
     """One kernel over the whole K (few columns a program, long K chunks for one row: GEMV-shaped;
     wider column tiles, shorter chunks for tile matmuls), and split-K partials with a combine kernel."""
     cs: list[Candidate] = []
     gemv = batch == 1
-    for c, kc in itertools.product((4, 8, 16) if gemv else (16, 32, 64), (512, 1024) if gemv else (128, 256)):
-        if _divides(out, c) and _divides(hidden, kc):
-            cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, dtype=dtype),
+    for c, kc in itertools.product((4, 8, 16) if gemv else (16, 32, 64, 128), (512, 1024) if gemv else (128, 256)):
+        if _divides(out, c) and _divides(hidden, kc) and (c, kc) != (128, 256):
+            cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, eps=eps, dtype=dtype),
                                 "one kernel, whole K a program"))
-    for c, s in ((64, 4), (64, 8)) if gemv else ((64, 4), (64, 8), (128, 2), (128, 4)):
-        kc = min(256, hidden // s)
+    for c, s, kc in ((64, 4, 256), (64, 8, 256)) if gemv else ((64, 4, 256), (64, 8, 256), (128, 2, 256), (128, 4, 256), (128, 4, 128)):
+        kc = min(kc, hidden // s)
         if _divides(out, c) and _divides(hidden, s * kc):
             nb = out // c
             cs.append(Candidate(f"splitk c{c} s{s} k{kc}",
-                                split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), dtype=dtype),
+                                split_k_rmsnorm_linear(batch, hidden, out, nb, s, hidden // (s * kc), _combine_blocks(out, nb), eps=eps, dtype=dtype),
                                 "split-K partials + combine kernel"))
     return cs
 
@@ -161,20 +161,20 @@ ATTENTION_VARIABLE_DIMS = ((1, 1), (2, 1))  # K and V: the KV length may be any 
 
 def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str) -> list[Candidate]:
     """Flash-decoding split-KV schedules with 64-1024 programs, 64 or 128 keys an iteration (32 where a
-    split has at most 128), combine over whole heads or head-dim quarters; every one serves any KV
-    length up to ``kv_len``."""
+    split has at most 128), the combine over head-dim quarters (4 programs a KV head; faster than one
+    at every shape of the 2026-12-03 H200 run); every one serves any KV length up to ``kv_len``."""
     bk = batch * kv_heads
     cs: list[Candidate] = []
     for splits in (2, 4, 8, 16, 32, 64, 128):
         per = kv_len // splits
         if not (64 <= bk * splits <= 1024) or kv_len % splits or per < 32 or (per < 256 and bk * splits < 128 and kv_len > 2048):
             continue
-        for keys, ds in itertools.product((32, 64, 128), (1, 4)):
-            if per % keys or head_dim % ds or (keys == 32 and per > 128):
+        for keys in (32, 64, 128):
+            if per % keys or head_dim % 4 or (keys == 32 and per > 128):
                 continue
-            g = (hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype) if ds == 1
-                 else split_kv_attention_ds(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, ds, dtype=dtype))
-            cs.append(Candidate(f"splitkv s{splits} t{keys} cd{ds}", g, "split-KV online softmax + combine", ATTENTION_VARIABLE_DIMS))
+            g = split_kv_attention_ds(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, 4, dtype=dtype)
+            cs.append(Candidate(f"splitkv s{splits} t{keys} cd4", g, "split-KV online softmax + combine over head-dim quarters",
+                                ATTENTION_VARIABLE_DIMS))
     return cs
 
 
@@ -197,10 +197,10 @@ def gated_mlp_candidates(batch: int, hidden: int, inter: int, dtype: str) -> lis
     return cs
 
 
-def candidates_for(spec: str, dims: dict[str, int], dtype: str) -> list[Candidate]:
-    """The candidate μGraphs the benchmark tunes for one case."""
+def candidates_for(spec: str, dims: dict[str, int], dtype: str, **options: float) -> list[Candidate]:
+    """The candidate μGraphs the benchmark tunes for one case (``options``: the spec's, e.g. ``eps``)."""
     if spec == "rmsnorm_linear":
-        return rmsnorm_linear_candidates(dims["batch"], dims["hidden"], dims["out"], dtype)
+        return rmsnorm_linear_candidates(dims["batch"], dims["hidden"], dims["out"], dtype, **options)
     if spec == "attention_decode":
         return attention_candidates(dims["batch"], dims["q_heads"], dims["kv_heads"], dims["head_dim"], dims["kv_len"], dtype)
     if spec == "lora_linear":

@@ -42,11 +42,11 @@ def test_batch_1_candidates_are_gemv_shaped_and_include_split_k():
     assert any(c.name.startswith("splitk") for c in V.candidates_for("rmsnorm_linear", {"batch": 8, "hidden": 4096, "out": 6144}, "bfloat16"))
 
 
-def test_first_round_tries_gemv_math_for_one_row_and_tl_dot_for_more():
+def test_first_round_tries_gemv_math_and_a_swapped_dot_for_one_row_and_tl_dot_for_more():
     from mirage_serve.tune.search import first_round
 
     b1 = first_round(V.candidates_for("rmsnorm_linear", {"batch": 1, "hidden": 4096, "out": 6144}, "bfloat16"))
-    assert {t.params.get("matmul") for t in b1} == {"fma"}
+    assert {t.params.get("matmul") for t in b1} == {"fma", "dot"} and all(t.params.get("dot_swap") for t in b1 if t.params["matmul"] == "dot")
     b32 = first_round(V.candidates_for("rmsnorm_linear", {"batch": 32, "hidden": 4096, "out": 6144}, "bfloat16"))
     assert {t.params.get("matmul") for t in b32} == {"dot"} and all(t.params["dot_precision"] == "input" for t in b32)
     att = V.candidates_for("attention_decode", {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 8192}, "bfloat16")

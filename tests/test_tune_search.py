@@ -14,12 +14,15 @@ from mirage_serve.tune import search, space
 
 
 def test_initial_params_follow_the_rows_of_the_tile_matmuls():
-    assert space.initial_params(fused_rmsnorm_linear(1, 4096, 6144, 768, 4, dtype="bfloat16")) == [{"matmul": "fma"}]
+    dot = {"matmul": "dot", "dot_precision": "input", "num_stages": 3}
+    swapped = {**dot, "dot_swap": 1}
+    assert space.initial_params(fused_rmsnorm_linear(1, 4096, 6144, 768, 4, dtype="bfloat16")) == [{"matmul": "fma"}, swapped]
+    assert space.initial_params(fused_rmsnorm_linear(1, 64, 32, 2, 2)) == [{"matmul": "fma"}]  # float32: no 16-bit MMA
     b8 = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 32, dtype="bfloat16"))  # 8 x 16 x 128 product fits
-    assert b8 == [{"matmul": "fma"}, {"matmul": "dot", "dot_precision": "input", "num_stages": 3}]
+    assert b8 == [{"matmul": "fma"}, dot, swapped]
     big = space.initial_params(split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16"))  # 4 x 64 x 128 would spill
-    assert big == [{"matmul": "dot", "dot_precision": "input", "num_stages": 3}]
-    assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2)) [-1] == {"matmul": "dot", "num_stages": 3}
+    assert big == [dot, swapped]
+    assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2))[-1] == {"matmul": "dot", "num_stages": 3, "dot_swap": 1}
 
 
 def test_neighbours_change_one_knob_each_and_only_where_it_matters():

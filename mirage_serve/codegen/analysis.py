@@ -345,7 +345,7 @@ def extent_info(graph: KernelGraph, seeds: tuple[tuple[int, int], ...], rows: Ro
                 raise CodegenError(f"variable extent {e} has sizes {bucket[e]} and {size} in different tensors; not supported")
             bucket[e] = size
             dims[t][d] = e
-    for i, op in enumerate(graph.ops):
+    for op in graph.ops:
         if op.kind not in ("input", "customized") and any(dims[t] for t in op.inputs):
             raise CodegenError(f"variable extent reaches kernel operator {op.describe()}, which runs as a torch op; not supported")
     return ExtentInfo(tuple(dims), tuple(bucket))

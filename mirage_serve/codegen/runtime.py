@@ -276,14 +276,12 @@ class CompiledGraph:
 
     def kernel_stats(self) -> list[dict]:
         """Registers, spilled bytes and shared memory of each kernel launched so far (GPU only)."""
-        out = []
-        for i, k in sorted(self._launched.items()):
-            def get(name):
-                v = getattr(k, name, None)
-                return v if isinstance(v, int) else None
-            out.append({"kernel": self._plan.kernels[i].name, "registers": get("n_regs"), "spills": get("n_spills"),
-                        "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None)})
-        return out
+        def num(k, name):
+            v = getattr(k, name, None)
+            return v if isinstance(v, int) else None
+
+        return [{"kernel": self._plan.kernels[i].name, "registers": num(k, "n_regs"), "spills": num(k, "n_spills"),
+                 "shared_bytes": num(getattr(k, "metadata", None), "shared")} for i, k in sorted(self._launched.items())]
 
     def _lengths_for(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A device int32 tensor of the extent sizes (all positions valid), kept per size."""
@@ -295,9 +293,10 @@ class CompiledGraph:
             x = self._len_tensors[key] = torch.tensor(sizes, dtype=torch.int32, device=device)
         return x
 
-    def __call__(self, *tensors: torch.Tensor, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def __call__(self, *tensors: torch.Tensor, lengths: torch.Tensor | None = None, poison: bool = False) -> list[torch.Tensor]:
         """Run the graph. ``lengths``: int32 tensor on the inputs' device, the valid length of each
-        variable extent (default: the inputs' sizes); entries above a size are clamped to it."""
+        variable extent (default: the inputs' sizes); entries above a size are clamped to it.
+        ``poison``: fill every kernel output with NaN before the launch (checks that all is written)."""
         n = self.n_rows_of(tensors)
         ext = self._plan.extents
         sizes = self.extents_of(tensors) if ext.bucket else ()
@@ -324,9 +323,9 @@ class CompiledGraph:
             elif op.kind == "customized":
                 src = self._plan.kernels[i]
                 start = len(vals)
-                outs = [
-                    torch.empty(shapes[start + j], dtype=TORCH_DTYPES[storage[start + j]], device=device) for j in range(op.num_outputs)
-                ]
+                make = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=device)) if poison else (
+                    lambda shape, dt: torch.empty(shape, dtype=dt, device=device))
+                outs = [make(shapes[start + j], TORCH_DTYPES[storage[start + j]]) for j in range(op.num_outputs)]
                 grid = tuple(
                     -(-n // rp) if rp and self.variable_batch else g for g, rp in zip(src.grid, src.rows_per_program, strict=True)
                 )

@@ -158,9 +158,95 @@ def first_round(candidates: Sequence[Candidate]) -> list[Trial]:
     return [Trial(c, p, 1) for c in candidates for p in space.initial_params(c.graph)]
 
 
+class Tuner:
+    """The search for one spec's candidates, round by round (see the module docstring).
+
+    :meth:`propose` gives the next round's trials (empty when the search is done);
+    compile them (:meth:`Precompiler.compile`, possibly together with other tuners'
+    trials), then :meth:`measure` them. Separating the two lets a caller compile the
+    rounds of many specs in one parallel batch."""
+
+    def __init__(self, candidates: Sequence[Candidate], spec: KernelGraph | None, *, device: str = "cuda", reps: int = 50,
+                 top: int = 2, deadline: float | None = None, on_trial: Callable[[Trial], None] | None = None) -> None:
+        self.candidates = list(candidates)
+        self.spec, self.device, self.reps, self.top, self.deadline, self.on_trial = spec, device, reps, top, deadline, on_trial
+        self.trials: list[Trial] = []
+        self.round = 0
+        self._seen: set[tuple] = set()
+        self._leaders: list[Trial] = []
+
+    def _new(self, trials: list[Trial]) -> list[Trial]:
+        out = []
+        for t in trials:
+            k = (id(t.candidate), tuple(sorted(t.params.items())))
+            if k not in self._seen:
+                self._seen.add(k)
+                out.append(t)
+        return out
+
+    def propose(self) -> list[Trial]:
+        """The next round's trials: 1 = initial params of every candidate; 2 = neighbours of the
+        ``top`` best candidates' best points; 3 = merges of the neighbours that helped."""
+        self.round += 1
+        if self.round == 1:
+            return self._new(first_round(self.candidates))
+        if self.round == 2:
+            best_per: dict[int, Trial] = {}
+            for t in self.trials:
+                b = best_per.get(id(t.candidate))
+                if math.isfinite(t.time_us) and (b is None or t.time_us < b.time_us):
+                    best_per[id(t.candidate)] = t
+            self._leaders = sorted(best_per.values(), key=lambda t: t.time_us)[: self.top]
+            return self._new([Trial(b.candidate, q, 2) for b in self._leaders for q in space.neighbours(b.candidate.graph, b.params)])
+        if self.round == 3:
+            merged = []
+            for b in self._leaders:
+                better = [t.params for t in self.trials if t.round == 2 and t.candidate is b.candidate and t.time_us < b.time_us]
+                if len(better) > 1:
+                    merged.append(Trial(b.candidate, space.merge(b.params, better), 3))
+            return self._new(merged)
+        return []
+
+    def _measure_one(self, t: Trial) -> None:
+        from mirage_serve.tune import profile
+
+        if self.deadline is not None and time.time() > self.deadline:
+            t.result = {"skipped": "time budget"}
+        else:
+            r = profile.profile_candidate(t.candidate.graph, t.params, spec=self.spec, device=self.device, reps=self.reps,
+                                          variable_dims=t.candidate.variable_dims)
+            t.result = r.to_dict()
+        if self.on_trial is not None:
+            self.on_trial(t)
+
+    def measure(self, batch: Sequence[Trial]) -> None:
+        """Float-check and time compiled trials; a spilling one only while no spill-free point has passed."""
+        spilled = []
+        for t in batch:
+            self.trials.append(t)
+            if not t.compile.get("ok", True):
+                t.result = {"error": t.compile.get("error", "did not compile")}
+                if self.on_trial is not None:
+                    self.on_trial(t)
+            elif t.compile.get("spills"):
+                spilled.append(t)  # spilled code loses to spill-free code on these memory-bound kernels
+            else:
+                self._measure_one(t)
+        for t in spilled:
+            if any(math.isfinite(x.time_us) and not x.compile.get("spills") for x in self.trials):
+                t.result = {"skipped": f"spills {t.compile['spills']} bytes of registers; a spill-free point passed"}
+                if self.on_trial is not None:
+                    self.on_trial(t)
+            else:
+                self._measure_one(t)
+
+    def result(self) -> TuneResult:
+        return TuneResult(self.trials)
+
+
 def tune(
     candidates: Sequence[Candidate],
-    spec: KernelGraph,
+    spec: KernelGraph | None,
     *,
     device: str = "cuda",
     reps: int = 50,
@@ -172,65 +258,18 @@ def tune(
 ) -> TuneResult:
     """Search parameters for ``candidates`` (see the module docstring); fastest passing point first.
 
-    ``precompiled``: round-1 trials whose compilation was already done (e.g. for many
-    cases at once); ``deadline`` (``time.time()``) stops starting new measurements."""
-    from mirage_serve.tune.profile import profile_candidate
-
+    ``precompiled``: round-1 trials whose compilation was already done; ``deadline``
+    (``time.time()``) stops starting new measurements."""
     pre = precompiler or Precompiler(1, device)
-    seen: set[tuple] = set()
-    trials: list[Trial] = []
-
-    def key(t: Trial) -> tuple:
-        return (id(t.candidate), tuple(sorted(t.params.items())))
-
-    def measure(t: Trial) -> None:
-        if deadline is not None and time.time() > deadline:
-            t.result = {"skipped": "time budget"}
-        else:
-            r = profile_candidate(t.candidate.graph, t.params, spec=spec, device=device, reps=reps,
-                                  variable_dims=t.candidate.variable_dims)
-            t.result = r.to_dict()
-        if on_trial is not None:
-            on_trial(t)
-
-    def run(batch: list[Trial], compiled: bool = False) -> None:
-        batch = [t for t in batch if key(t) not in seen]
-        for t in batch:
-            seen.add(key(t))
-        if not compiled:
-            pre.compile(batch)
-        spilled = []
-        for t in batch:
-            trials.append(t)
-            if not t.compile.get("ok", True):
-                t.result = {"error": t.compile.get("error", "did not compile")}
-                if on_trial is not None:
-                    on_trial(t)
-            elif t.compile.get("spills"):
-                spilled.append(t)  # spilled code loses to spill-free code on these memory-bound kernels: timed only without one
-            else:
-                measure(t)
-        for t in spilled:
-            if any(math.isfinite(x.time_us) and not x.compile.get("spills") for x in trials):
-                t.result = {"skipped": f"spills {t.compile['spills']} bytes of registers; a spill-free point passed"}
-                if on_trial is not None:
-                    on_trial(t)
-            else:
-                measure(t)
-
-    run(list(precompiled) if precompiled is not None else first_round(candidates), compiled=precompiled is not None)
-    best_per: dict[int, Trial] = {}
-    for t in trials:
-        b = best_per.get(id(t.candidate))
-        if math.isfinite(t.time_us) and (b is None or t.time_us < b.time_us):
-            best_per[id(t.candidate)] = t
-    leaders = sorted(best_per.values(), key=lambda t: t.time_us)[:top]
-    round2 = [Trial(b.candidate, q, 2) for b in leaders for q in space.neighbours(b.candidate.graph, b.params)]
-    run(round2)
-    merged = []
-    for b in leaders:
-        better = [t.params for t in trials if t.round == 2 and t.candidate is b.candidate and t.time_us < b.time_us]
-        if len(better) > 1:
-            merged.append(Trial(b.candidate, space.merge(b.params, better), 3))
-    run(merged)
-    return TuneResult(trials)
+    tuner = Tuner(candidates, spec, device=device, reps=reps, top=top, deadline=deadline, on_trial=on_trial)
+    if precompiled is not None:
+        tuner.round = 1
+        batch = tuner._new(list(precompiled))
+    else:
+        batch = tuner.propose()
+        pre.compile(batch)
+    while batch:
+        tuner.measure(batch)
+        batch = tuner.propose()
+        pre.compile(batch)
+    return tuner.result()

@@ -7,9 +7,10 @@ follows from a few features of the graph, never from the benchmark case:
 * **matmul math.** Tile matmuls with one row are GEMV-shaped: broadcast-multiply
   -reduce on the CUDA cores (``fma``) is the only sensible lowering. With 2 rows
   or more, ``tl.dot`` on the 16-bit operands (``matmul="dot"``,
-  ``dot_precision="input"``, rows padded to 16) is tried, and ``fma`` next to it
-  while its 3-D broadcast product fits in registers (:data:`FMA_MAX_PRODUCT`);
-  the profile decides.
+  ``dot_precision="input"``, rows padded to 16) is tried in both MMA
+  orientations, and ``fma`` next to it while its 3-D broadcast product fits in
+  registers (:data:`FMA_MAX_PRODUCT`); for one row, the swapped dot (the weight
+  tile as the MMA's M side) next to ``fma``. The profile decides.
 * **neighbours** of a (graph, params) point change one knob each: warps 4↔8,
   software-pipelining depth, programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
@@ -58,12 +59,13 @@ FMA_MAX_PRODUCT = 16384
 def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
     """First-round parameter sets for ``graph`` (see the module docstring)."""
     f = graph_features(graph)
-    if f["matmul_rows"] <= 1:
-        return [{"matmul": "fma"}]
     dot = dict(DOT_NATIVE) if f["low_precision"] else {"matmul": "dot"}
     if f["max_loop"] > 1:
         dot["num_stages"] = 3
-    return ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot]
+    swapped = {**dot, "dot_swap": 1}
+    if f["matmul_rows"] <= 1:  # GEMV-shaped; a dot pads the row to 16, worth it only with the weight as the MMA's M side
+        return [{"matmul": "fma"}, swapped] if f["low_precision"] else [{"matmul": "fma"}]
+    return ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, swapped]
 
 
 def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any]]:
