@@ -98,6 +98,48 @@ def _compile_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, 
         return {"ok": False, "compile_s": round(time.perf_counter() - t0, 2), "error": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
+def _measure_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, spec_json: str | None, device: str, reps: int) -> dict[str, Any]:
+    """In the measuring process: profile one point; exit the process if the CUDA context broke."""
+    import torch
+
+    from mirage_serve.mugraph.serialize import from_json
+    from mirage_serve.tune.profile import profile_candidate
+
+    r = profile_candidate(from_json(graph_json), params, spec=from_json(spec_json) if spec_json else None, device=device, reps=reps,
+                          variable_dims=variable_dims).to_dict()
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # an illegal access poisons the context for good: give the process back
+        os._exit(3)
+    return r
+
+
+class Measurer:
+    """Profiles points in one separate process, so a kernel that breaks its CUDA context costs
+    only that point: the process is replaced and the point recorded as crashing."""
+
+    def __init__(self, device: str = "cuda") -> None:
+        self.device = device
+        self._pool: ProcessPoolExecutor | None = None
+
+    def measure(self, trial: Trial, spec: KernelGraph | None, reps: int) -> dict[str, Any]:
+        from mirage_serve.mugraph.serialize import to_json
+
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+        try:
+            return self._pool.submit(_measure_one, to_json(trial.candidate.graph), trial.params, trial.candidate.variable_dims,
+                                     to_json(spec) if spec is not None else None, self.device, reps).result()
+        except Exception as e:  # the process died: this point broke its CUDA context (or crashed it otherwise)
+            self.close()
+            return {"passed": False, "error": f"crashed the measuring process ({type(e).__name__}); the point is excluded"}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
 class Precompiler:
     """A pool of worker processes that compile candidates in parallel on one GPU."""
 
@@ -167,8 +209,10 @@ class Tuner:
     rounds of many specs in one parallel batch."""
 
     def __init__(self, candidates: Sequence[Candidate], spec: KernelGraph | None, *, device: str = "cuda", reps: int = 50,
-                 top: int = 2, deadline: float | None = None, on_trial: Callable[[Trial], None] | None = None) -> None:
+                 top: int = 2, deadline: float | None = None, on_trial: Callable[[Trial], None] | None = None,
+                 measurer: Measurer | None = None) -> None:
         self.candidates = list(candidates)
+        self.measurer = measurer
         self.spec, self.device, self.reps, self.top, self.deadline, self.on_trial = spec, device, reps, top, deadline, on_trial
         self.trials: list[Trial] = []
         self.round = 0
@@ -212,6 +256,8 @@ class Tuner:
 
         if self.deadline is not None and time.time() > self.deadline:
             t.result = {"skipped": "time budget"}
+        elif self.measurer is not None:
+            t.result = self.measurer.measure(t, self.spec, self.reps)
         else:
             r = profile.profile_candidate(t.candidate.graph, t.params, spec=self.spec, device=self.device, reps=self.reps,
                                           variable_dims=t.candidate.variable_dims)

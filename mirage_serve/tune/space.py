@@ -11,6 +11,8 @@ follows from a few features of the graph, never from the benchmark case:
   orientations, and ``fma`` next to it while its 3-D broadcast product fits in
   registers (:data:`FMA_MAX_PRODUCT`); for one row, the swapped dot (the weight
   tile as the MMA's M side) next to ``fma``. The profile decides.
+* **launch overlap.** Graphs of more than one kernel start with programmatic
+  dependent launch on (``pdl=1``); the neighbours turn it off.
 * **neighbours** of a (graph, params) point change one knob each: warps 4↔8,
   software-pipelining depth, programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
@@ -64,8 +66,12 @@ def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
         dot["num_stages"] = 3
     swapped = {**dot, "dot_swap": 1}
     if f["matmul_rows"] <= 1:  # GEMV-shaped; a dot pads the row to 16, worth it only with the weight as the MMA's M side
-        return [{"matmul": "fma"}, swapped] if f["low_precision"] else [{"matmul": "fma"}]
-    return ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, swapped]
+        out = [{"matmul": "fma"}, swapped] if f["low_precision"] else [{"matmul": "fma"}]
+    else:
+        out = ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, swapped]
+    if f["kernels"] > 1:  # overlapping each launch with the kernel before it paid at every multi-kernel point of the 2026-12-03 run
+        out = [{**p, "pdl": 1} for p in out]
+    return out
 
 
 def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any]]:
