@@ -585,6 +585,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{time.monotonic() - start:6.1f}s] tuning round {rnd}: {rounds[-1]}", flush=True)
             for t in failed[:3]:
                 print(f"    did not compile: {t.label}: {t.compile.get('error', '')[:300]}", flush=True)
+            errs = [t for b in batches.values() for t in b if t.compile.get("ok", True) and t.result.get("error")]
+            for t in errs[:3]:
+                print(f"    failed: {t.label}: {str(t.result['error'])[:300]}", flush=True)
     finally:
         precompiler.close()
         measurer.close()
