@@ -86,6 +86,14 @@ def _random_model(config: dict, layers: int | None, torch):
     return model.eval()
 
 
+def _leading_equal(a, b) -> int:
+    """Tokens generated identically before the first difference, the fewest over the batch (greedy
+    decoding of random weights meets near-ties, so two paths agree up to a point, then diverge)."""
+    diff = (a != b).int()
+    first = [int(row.nonzero()[0]) if bool(row.any()) else row.numel() for row in diff]
+    return min(first)
+
+
 def _time_hf(model, ids, new: int, torch) -> tuple[float, object]:
     def gen(n):
         torch.cuda.synchronize()
@@ -237,9 +245,12 @@ def run(args: argparse.Namespace) -> int:
                 ref = tokens.get((b, "hf_sdpa"))
                 same = None if ref is None else float((out[:, args.prompt:] == ref[:, args.prompt:]).float().mean())
                 row = {"batch": b, "contender": c, "ms_per_token": ms, "x_floor": ms / floor, "tokens_equal_to_hf_sdpa": same}
-                static = tokens.get((b, "static_graph"))
-                if c == "patched_graph" and static is not None:
-                    row["tokens_equal_to_static_graph"] = float((out[:, args.prompt:] == static[:, args.prompt:]).float().mean())
+                if ref is not None:
+                    row["leading_tokens_equal_to_hf_sdpa"] = _leading_equal(out[:, args.prompt:], ref[:, args.prompt:])
+                base = tokens.get((b, "static_graph")) if c == "patched_graph" else tokens.get((b, "hf_sdpa")) if c == "patched_hf" else None
+                if base is not None:  # the same decode path unpatched: only the kernels differ
+                    row["tokens_equal_to_unpatched"] = float((out[:, args.prompt:] == base[:, args.prompt:]).float().mean())
+                    row["leading_tokens_equal_to_unpatched"] = _leading_equal(out[:, args.prompt:], base[:, args.prompt:])
                 if capture is not None:
                     row["capture_s"] = capture
                 rows.append(row)
@@ -260,13 +271,14 @@ def run(args: argparse.Namespace) -> int:
     stem = f"{result['date']}-{args.tag}"
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# End-to-end decode, {result['gpu']}, {args.model_id} shape, prompt {args.prompt}, {args.new} new tokens", "",
-             "| batch | contender | ms/token | × floor | tokens = hf_sdpa |", "|---|---|---|---|---|"]
+             "| batch | contender | ms/token | × floor | tokens = hf_sdpa | leading tokens = unpatched |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['batch']} | {r['contender']} | error: {r['error'][:80]} | | |")
+            lines.append(f"| {r['batch']} | {r['contender']} | error: {r['error'][:80]} | | | |")
         else:
             eq = r.get("tokens_equal_to_hf_sdpa")
-            lines.append(f"| {r['batch']} | {r['contender']} | {r['ms_per_token']:.2f} | {r.get('x_floor', 1.0):.2f} | {'' if eq is None else f'{eq:.3f}'} |")
+            lead = r.get("leading_tokens_equal_to_unpatched", "")
+            lines.append(f"| {r['batch']} | {r['contender']} | {r['ms_per_token']:.2f} | {r.get('x_floor', 1.0):.2f} | {'' if eq is None else f'{eq:.3f}'} | {lead} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

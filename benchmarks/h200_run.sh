@@ -18,7 +18,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests) timeout 150 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_codegen_gpu.py tests/test_tune_profile.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log" ;;
     kernels) python3 benchmarks/kernels.py --out "$OUT" "${extra[@]}" 2>&1 | grep -v "^|\|^$\|^<\|^#\|^- " | tee "$OUT/kernels.log" | tail -40 ;;
-    e2e) tuned=$(ls -t "$OUT"/kernels-*.json 2>/dev/null | head -1)
+    e2e) tuned=${TUNED_FROM:-$(ls -t "$OUT"/kernels-*.json 2>/dev/null | head -1)}
          timeout ${E2E_TIMEOUT:-300} python3 benchmarks/e2e.py --out "$OUT" ${tuned:+--tuned-from "$tuned"} 2>&1 | grep -v Warning | tee "$OUT/e2e.log" | tail -30 ;;
   esac
 done
