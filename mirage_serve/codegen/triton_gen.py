@@ -700,10 +700,8 @@ class _Gen:
             if need_alpha:
                 self.emit(f"mxprev{t} = mx{t}", 2)
             self.emit(f"mx{t} = tl.maximum(mx{t}, {rowmax})", 2)
-            if need_alpha and c_last in self.dyn:  # an iteration of masked positions only: nothing to rescale (no -inf - -inf)
-                self.emit(f'alpha{t} = tl.where(mx{t} == float("-inf"), 1.0, tl.exp(mxprev{t} - mx{t}))', 2)
-            elif need_alpha:
-                self.emit(f"alpha{t} = tl.exp(mxprev{t} - mx{t})", 2)
+            if need_alpha:  # an unchanged maximum rescales by exactly 1, also when it is infinite (no -inf - -inf = nan)
+                self.emit(f"alpha{t} = tl.where(mxprev{t} == mx{t}, 1.0, tl.exp(mxprev{t} - mx{t}))", 2)
             return _Val(f"mx{t}", self.kept(t), False)
         if fn in ("sum", "rescaled_sum"):
             kept_dyn = tuple(c for c in self.classes(src, x.dims) if c in self.dyn)
