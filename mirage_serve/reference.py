@@ -286,6 +286,8 @@ def _accum_step(alg, op: Op, tid: int, ins: list[Any], in_ids, state, prev_max, 
         extra = len(alg.shape(m)) - len(alg.shape(x))
         if extra > 0:  # a max of higher rank has leading 1s (shape rule): drop them after the grid dims
             m = alg.map(m, lambda t: t.reshape(*t.shape[:3], *t.shape[3 + extra :]))
+        elif extra < 0:  # a max of lower rank broadcasts over the tile's leading dims, not over grid dims
+            m = alg.map(m, lambda t: t.reshape(*t.shape[:3], *(1,) * -extra, *t.shape[3:]))
         if it == 0:
             state[tid] = contrib
         else:

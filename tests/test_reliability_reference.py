@@ -103,3 +103,23 @@ def test_rescaled_accumulator_with_a_max_of_higher_rank_runs():
     m1, m2 = A[0, :4].max(), A[0].max()
     want = B[:4].sum() * torch.exp(m1 - m2) + B[4:].sum()
     assert out.shape == (1,) and torch.allclose(out[0], want, atol=1e-12)
+
+
+def test_rescaled_accumulator_with_a_max_of_lower_rank_over_a_grid():
+    # found by the fuzzer: the rescale factor exp(m_prev - m) of a rank-1 max broadcast against the rank-2
+    # accumulator across the grid dims (crash, or a wrong shape)
+    g = GraphBuilder()
+    x = g.input("X", (8, 3))
+    blk = BlockBuilder((4,), 2)
+    tx = blk.input(0, (0,), 0)  # [1, 3] per iteration
+    m = blk.accum("max_last", blk.reduce("max", tx, 1, keepdim=False))  # [1]
+    blk.output(blk.accum("rescaled_sum_last", tx, m), (0,))
+    (y,) = g.customized([x], blk.build())
+    X = _x(8, 3)
+    (out,) = execute(g.build([y]), [X])
+    want = []
+    for b in range(4):
+        rows = X[2 * b : 2 * b + 2]
+        m1, m2 = rows[0].max(), rows.max()
+        want.append(rows[0].sum() * torch.exp(m1 - m2) + rows[1].sum())
+    assert out.shape == (4, 1) and torch.allclose(out[:, 0], torch.stack(want), atol=1e-12)
