@@ -297,11 +297,11 @@ def check_codegen(graph: KernelGraph, seed: int, *, faults: int = 0, rows: int |
         return CodegenResult("finding", "supports-crash", Finding("codegen", "supports-crash", f"supports() raised {type(e).__name__}: {e}", {"graph": graph}, data={"seed": seed}))
     if not ok:
         return CodegenResult("rejected", codegen_reason_tag(why))
-    ins, scale = graph_inputs(graph, seed)
     fault_desc: list[str] = []
-    if faults:
-        ins, fault_desc = inject_faults(ins, seed, faults)
     try:
+        ins, scale = graph_inputs(graph, seed)
+        if faults:
+            ins, fault_desc = inject_faults(ins, seed, faults)
         exact = execute(graph, [x.to(torch.float64) for x in ins])
         tols = kernel_tolerance(graph, ins, exact, seed + 1)
     except (MuGraphError, RuntimeError) as e:  # the graph validated: the reference must run it
