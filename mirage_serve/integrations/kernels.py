@@ -2,7 +2,8 @@
 
 A :class:`KernelProvider` turns (spec, dims, dtype, options, rows) into a
 :class:`CachedKernel`: the cache entry for the smallest batch bucket that holds
-``rows``, compiled by codegen on a GPU, or run by the reference executor (CPU),
+``rows``, compiled by codegen on a GPU with the tuning parameters stored in the
+entry (defaults for entries without any), or run by the reference executor (CPU),
 or by the Triton interpreter when ``MIRAGE_SERVE_CPU_BACKEND=triton``. Inputs
 with fewer rows than the bucket are padded (reference) or masked (Triton).
 
@@ -51,7 +52,10 @@ def _check_enabled() -> bool:
 
 @dataclass
 class CachedKernel:
-    """One verified cache entry, callable on live tensors (rows may be fewer than the bucket)."""
+    """One verified cache entry, callable on live tensors (rows may be fewer than the bucket).
+
+    ``params`` are the entry's codegen parameters (``CodegenParams.cache_params()``
+    form; empty: the defaults)."""
 
     spec_name: str
     graph: KernelGraph
@@ -61,6 +65,7 @@ class CachedKernel:
     backend: str
     disabled: str | None = None
     calls: int = 0
+    params: dict[str, int | str] = field(default_factory=dict)
     _compiled: Any = field(default=None, repr=False)
     _checked: bool = False
 
@@ -85,6 +90,14 @@ class CachedKernel:
         log_once(f"disabled:{self.entry_id}", "mirage-serve: kernel %s (%s) disabled, falling back to the model's code: %s",
                  self.entry_id, self.spec_name, reason, level=logging.WARNING)
 
+    def codegen_params(self) -> Any:
+        """The entry's ``CodegenParams`` (None: the defaults)."""
+        if not self.params:
+            return None
+        from mirage_serve.codegen import CodegenParams
+
+        return CodegenParams.from_dict(dict(self.params))
+
     def _padded(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Inputs padded with zero rows up to the bucket's shapes (dim 0 of the row inputs)."""
         full = self.spec.info[self.spec.input_ids[0]].shape[0]
@@ -100,7 +113,7 @@ class CachedKernel:
         if self._compiled is None:
             from mirage_serve.codegen import compile_graph
 
-            self._compiled = compile_graph(self.graph)
+            self._compiled = compile_graph(self.graph, self.codegen_params())
         return list(self._compiled(*inputs))
 
     def _spot_check(self, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> bool:
@@ -167,17 +180,25 @@ class KernelProvider:
                 continue
             spec = build_spec(spec_name, full, dtype, **options)
             backend = self.backend_for(device)
+            params = dict(entry.params)
             if backend == "triton":
                 try:
-                    from mirage_serve.codegen import supports
+                    from mirage_serve.codegen import CodegenError, CodegenParams, supports
                 except ImportError:
                     self.miss(what, "this build has no Triton code generator")
                     return None
-                ok, why = supports(entry.graph)
+                try:
+                    codegen_params = CodegenParams.from_dict(params) if params else None
+                except (CodegenError, TypeError, ValueError) as e:  # parameters never change the result: the defaults are safe
+                    log_once(f"params:{entry.key.entry_id}", "mirage-serve: entry %s has codegen parameters %s this build cannot use (%s); "
+                             "compiling it with the defaults (re-tune it with `mirage-serve build-cache`)", entry.key.entry_id, params, e,
+                             level=logging.WARNING)
+                    params, codegen_params = {}, None
+                ok, why = supports(entry.graph, codegen_params)
                 if not ok:
                     self.miss(what, f"codegen does not support entry {entry.key.entry_id}: {why}")
                     return None
-            return CachedKernel(spec_name, entry.graph, spec, bucket, entry.key.entry_id, backend)
+            return CachedKernel(spec_name, entry.graph, spec, bucket, entry.key.entry_id, backend, params=params)
         self.miss(what, f"no cache entry for a batch bucket >= {rows} (run `mirage-serve build-cache` for this model)")
         return None
 
