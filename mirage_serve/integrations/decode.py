@@ -7,6 +7,12 @@ can be captured once per batch size and replayed per token. Positions live on
 the device; the step also picks the next token and advances the position
 inside the graph, so a token costs one graph replay.
 
+On a model patched by :func:`mirage_serve.integrations.hf.patch_model`, a
+decode step's attention runs the cached kernel of the smallest kv_len bucket
+that holds the whole static cache, over all of it, with the valid length as a
+device tensor (so the captured step serves every position); prefill and
+shapes without a kernel use SDPA.
+
 Supported: the Llama family's module tree (Llama, Mistral, Qwen2, Qwen3) with
 unpadded prompts. Anything else raises :class:`UnsupportedModel`; use
 ``model.generate`` for it.
@@ -55,7 +61,7 @@ class StaticDecoder:
     """Drives a causal LM's modules over a static KV cache ``[layers, batch, kv_heads, max_len, head_dim]``."""
 
     def __init__(self, model: nn.Module, batch: int, max_len: int) -> None:
-        from mirage_serve.integrations.hf import _base_model
+        from mirage_serve.integrations.hf import _base_model, attention_provider
 
         root, _ = _base_model(model)
         cfg = root.config
@@ -79,6 +85,14 @@ class StaticDecoder:
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.scale = self.head_dim**-0.5
         self._arange = torch.arange(max_len, device=self.device)
+        self.attention = attention_provider(cfg)  # (provider, dtype) when patched for decode attention
+
+    def _kernel_attention(self, q: torch.Tensor, layer: int, length: torch.Tensor) -> torch.Tensor | None:
+        """One query token over layer ``layer``'s whole static cache, the first ``length`` positions valid; None: use SDPA."""
+        from mirage_serve.integrations.hf import decode_attention
+
+        provider, dtype = self.attention
+        return decode_attention(provider, dtype, q, self.k_cache[layer], self.v_cache[layer], length)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Logits of the last position for tokens ``ids [b, s]`` at positions ``pos [s]`` (device tensor)."""
@@ -87,6 +101,7 @@ class StaticDecoder:
         cos, sin = self.inner.rotary_emb(h, pos[None].expand(b, s))
         cos, sin = cos[:, None], sin[:, None]
         mask = self._arange[None, :] <= pos[:, None]  # [s, max_len]: causal over the static cache
+        length = (pos[-1:] + 1).to(torch.int32) if s == 1 and self.attention is not None else None  # valid cache prefix
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -100,8 +115,10 @@ class StaticDecoder:
             k = k * cos + _rotate_half(k) * sin
             self.k_cache[i].index_copy_(2, pos, k)
             self.v_cache[i].index_copy_(2, pos, v)
-            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.heads)
+            o = None if length is None else self._kernel_attention(q, i, length)
+            if o is None:
+                o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=self.kv_heads != self.heads)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.inner.norm(h[:, -1:])

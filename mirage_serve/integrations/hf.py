@@ -7,7 +7,9 @@ replaces, per decoder layer:
   the concatenated weight ``[Wq; Wk; Wv]`` (the norm module becomes a pass-through,
   each projection returns its slice of the fused output, computed once);
 * the post-attention RMSNorm and gate/up projections the same way;
-* decode attention through transformers' ``AttentionInterface`` (``"mirage"``);
+* decode attention through transformers' ``AttentionInterface`` (``"mirage"``):
+  one query token runs the kernel of the smallest cached kv_len bucket at least
+  the current KV length (one kernel serves every length up to its bucket);
 * peft LoRA-augmented linears (one active adapter, not merged) by ``lora_linear``.
 
 The model's own forward code is untouched, so the patch follows transformers
@@ -20,6 +22,7 @@ weight), logged once per reason; a kernel that fails is disabled with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +76,15 @@ class PatchReport:
         """Calls served by each cache entry so far."""
         calls: dict[str, int] = {}
         if self.provider is not None:
-            for k in self.provider._memo.values():
-                if k is not None:
-                    calls[k.entry_id] = calls.get(k.entry_id, 0) + k.calls
+            for k in self.provider.kernels():
+                calls[k.entry_id] = calls.get(k.entry_id, 0) + k.calls
         return calls
+
+    def kernel_lengths(self) -> dict[str, dict[int, int]]:
+        """Calls per KV length of each decode-attention entry so far (lengths known on the host)."""
+        if self.provider is None:
+            return {}
+        return {k.entry_id: dict(k.calls_by_length) for k in self.provider.kernels() if k.extent is not None}
 
     def summary(self) -> str:
         by_role: dict[str, int] = {}
@@ -299,14 +307,20 @@ def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
     return root, prefix
 
 
-def patch_model(model: nn.Module, cache: Any = None, *, provider: KernelProvider | None = None, attention: bool = True) -> PatchReport:
+def patch_model(model: nn.Module, cache: Any = None, *, provider: KernelProvider | None = None, attention: bool = True,
+                kv_buckets: Sequence[int] | None = None) -> PatchReport:
     """Patch a transformers causal LM in place with kernels from ``cache``.
 
     ``cache`` is a :class:`mirage_serve.cache.KernelCache`, a cache directory, or
-    None for the default (``MIRAGE_SERVE_CACHE`` or the user cache dir). Returns a
-    :class:`PatchReport` of what was patched and what was not, and why.
+    None for the default (``MIRAGE_SERVE_CACHE`` or the user cache dir). Decode
+    attention uses the entry of the smallest kv_len bucket >= the current length;
+    ``kv_buckets`` are the buckets the cache was built with (``build-cache
+    --kv-lens``; default its 1024,4096,16384), capped at the model's context as
+    ``build-cache`` caps them. Returns a :class:`PatchReport` of what was patched
+    and what was not, and why.
     """
     from mirage_serve.models import AdapterError, get_adapter
+    from mirage_serve.models.base import DEFAULT_KV_LEN_BUCKETS, kv_len_buckets
 
     root, _ = _base_model(model)
     config = getattr(root, "config", None)
@@ -319,6 +333,7 @@ def patch_model(model: nn.Module, cache: Any = None, *, provider: KernelProvider
         raise AdapterError(f"cannot patch this model: {e}") from None
     provider = provider or KernelProvider(cache)
     arch = adapter.arch_dims(config)
+    provider.add_kv_buckets(kv_len_buckets(arch, DEFAULT_KV_LEN_BUCKETS if kv_buckets is None else kv_buckets))
     dtype = _dtype_name(next(root.parameters()).dtype)
     report = PatchReport(model_type, provider=provider)
     for i in range(arch.layers):
@@ -339,28 +354,47 @@ def patch_model(model: nn.Module, cache: Any = None, *, provider: KernelProvider
 _PROVIDERS: dict[int, tuple[KernelProvider, str]] = {}
 
 
+def attention_provider(config: Any) -> tuple[KernelProvider, str] | None:
+    """(provider, dtype) of a model patched for decode attention (``config._attn_implementation == "mirage"``), else None."""
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        return None
+    return _PROVIDERS.get(id(config))
+
+
+def decode_attention(provider: KernelProvider, dtype: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Attention of one query token ``[b, q_heads, 1, d]`` over ``key``/``value`` ``[b, kv_heads, L, d]``
+    by the cached kernel of the smallest kv_len bucket >= L (scale 1/sqrt(d), no mask).
+
+    ``lengths``: a one-element int32 device tensor, the valid prefix of the L positions
+    (a static KV cache). Returns ``[b, q_heads, 1, d]``, or None: run your own code."""
+    b, hq, _, d = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    kernel = provider.get("attention_decode", {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": kv_len}, dtype, {}, b, query.device)
+    if kernel is None:
+        return None
+    q = query.reshape(b * hkv, hq // hkv, d).contiguous()
+    k = key.reshape(b * hkv, kv_len, d).contiguous()
+    v = value.reshape(b * hkv, kv_len, d).contiguous()
+    res = kernel([q, k, v], lengths) if lengths is not None else kernel([q, k, v])
+    return None if res is None else res[0].reshape(b, hq, 1, d)
+
+
 def _mirage_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
     """AttentionInterface function: the decode kernel for one query token, SDPA otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     entry = _PROVIDERS.get(id(module.config))
-    b, hq, q_len, d = query.shape
-    hkv, kv_len = key.shape[1], key.shape[2]
+    q_len, d = query.shape[2], query.shape[3]
     usable = entry is not None and q_len == 1 and dropout == 0.0 and (attention_mask is None or bool(attention_mask.all()))
     if usable and scaling is not None and abs(scaling - d**-0.5) > 1e-12:
         log_once(f"attn-scale:{scaling}", "mirage-serve: attention scale %s is not 1/sqrt(head_dim); using SDPA", scaling)
         usable = False
     if usable:
-        provider, dtype = entry
-        kernel = provider.get("attention_decode", {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": kv_len}, dtype, {},
-                              b, query.device)
-        if kernel is not None:
-            group = hq // hkv
-            q = query.reshape(b * hkv, group, d)
-            res = kernel([q.contiguous(), key.reshape(b * hkv, kv_len, d).contiguous(), value.reshape(b * hkv, kv_len, d).contiguous()])
-            if res is not None:
-                return res[0].reshape(b, hq, 1, d).transpose(1, 2), None
+        out = decode_attention(entry[0], entry[1], query, key, value)
+        if out is not None:
+            return out.transpose(1, 2), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
@@ -383,7 +417,7 @@ def _patch_attention(root: nn.Module, provider: KernelProvider, dtype: str) -> P
     return PatchRecord(None, "attention_decode", ["config._attn_implementation"], True, "", "attention_decode")
 
 
-def from_pretrained(model_id_or_path: str, *, cache: Any = None, **kwargs: Any) -> nn.Module:
+def from_pretrained(model_id_or_path: str, *, cache: Any = None, kv_buckets: Sequence[int] | None = None, **kwargs: Any) -> nn.Module:
     """Load a causal LM with transformers' ``AutoModelForCausalLM.from_pretrained`` and patch it.
 
     The report of :func:`patch_model` is attached as ``model.mirage_report``."""
@@ -391,5 +425,5 @@ def from_pretrained(model_id_or_path: str, *, cache: Any = None, **kwargs: Any) 
 
     model = AutoModelForCausalLM.from_pretrained(model_id_or_path, **kwargs)
     model.eval()
-    model.mirage_report = patch_model(model, cache)
+    model.mirage_report = patch_model(model, cache, kv_buckets=kv_buckets)
     return model

@@ -24,3 +24,25 @@ def test_static_decode_refuses_unknown_layouts(tmp_path):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+def test_static_decode_runs_the_attention_kernel_of_the_kv_bucket(tmp_path):
+    """The whole static cache goes to the kernel of build-cache's kv_len bucket (the tiny context: 128), the valid
+    length as a tensor: one kernel serves every step, and the tokens are those of the unpatched model."""
+    pytest.importorskip("mirage_serve.verify")
+    from cached_kernels import fill_cache
+
+    from mirage_serve.cache import KernelCache
+
+    model, _ = tiny_model("llama", tmp_path)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    cache = KernelCache(tmp_path / "cache")
+    assert fill_cache(cache, model, norms=False) == [128]
+    report = patch_model(model, cache)
+    assert torch.equal(generate(model, ids, 32), want)
+    (calls,) = report.kernel_calls().values()
+    assert calls == 2 * 31  # both layers, every decode step (the prompt runs SDPA)
+    assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0), want)
+    (by_len,) = report.kernel_lengths().values()
+    assert sorted(by_len) == list(range(7, 38))  # transformers' cache: the real length, 7..37, through the same kernel
