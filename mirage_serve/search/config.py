@@ -39,7 +39,7 @@ class SearchConfig:
     max_customized: int = 2  # customized (block-graph) operators among them
     max_block_inputs: int = 4
     # block level
-    max_block_ops: int = 8
+    max_block_ops: int = 7
     max_block_outputs: int = 3
     max_grid_dims: int = 2
     # instantiation (concrete sizes for structurally complete candidates)
@@ -52,6 +52,7 @@ class SearchConfig:
     target: GpuTarget = field(default_factory=GpuTarget)
     # pruning
     prune: bool = True  # abstract-expression pruning (off: only the structural rules)
+    solver: bool = False  # the e-graph confirms each normal-form rejection (docs/abstract-expressions.md)
     # verification
     trials: int = 3
     float_check: bool = True

@@ -17,6 +17,7 @@ False) returns what it had verified by then, which depends on machine speed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -42,6 +43,7 @@ from mirage_serve.search.enumerate import (
     map_choices,
     prefix_graph,
 )
+from mirage_serve.search.labels import kernel_labels
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class SearchStats:
     time_to_best_s: float | None = None
     elapsed_s: float = 0.0
     complete: bool = True  # False when a time, node or state limit cut the search short
-    levels: int = 0
+    levels: int = 0  # rounds of iterative deepening run (graphs of up to this many operators)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,12 +101,13 @@ class SearchResult:
 _W: dict[str, Any] = {}
 
 
-def default_engine(spec: KernelGraph, prune: bool) -> ExprEngine:
-    """The abstract-expression engine of mirage_serve.search.abstract / prune."""
+def default_engine(spec: KernelGraph, prune: bool, solver: bool = False) -> ExprEngine:
+    """The abstract-expression engine of mirage_serve.search.abstract / prune;
+    ``solver`` makes the e-graph confirm every normal-form rejection."""
     from mirage_serve.search import abstract
     from mirage_serve.search import prune as prune_mod
 
-    return ExprEngine(abstract, prune_mod.SubexprOracle(spec), prune)
+    return ExprEngine(abstract, prune_mod.SubexprOracle(spec, use_solver=solver), prune)
 
 
 _VERIFIERS: dict[tuple[str, int, int], Any] = {}
@@ -140,7 +143,7 @@ def _state_info(state: KernelState):
     hit = cache.get(state.ops)
     if hit is None:
         g = prefix_graph(state.ops)
-        hit = (list(g.info), _W["engine"].graph_exprs(g))
+        hit = (list(g.info), _W["engine"].graph_exprs(g), kernel_labels(g, _W["vocab"].labels))
         if len(cache) > 256:
             cache.clear()
         cache[state.ops] = hit
@@ -161,15 +164,16 @@ def _run_task(task: tuple) -> dict[str, Any]:
             cert = None
         return {"cert": cert}
     state: KernelState = task[1]
-    infos, exprs = _state_info(state)
+    infos, exprs, labels = _state_info(state)
     engine, vocab = _W["engine"], _W["vocab"]
     budget = Budget(_W["deadline"], cfg.max_block_nodes)
-    if kind == "pre":
-        new = expand_predefined(state, infos, exprs, engine, vocab, counters)
-    else:
-        _, _, sources, choices = task
-        new = expand_customized(state, infos, exprs, sources, choices, engine, vocab, cfg, counters, budget)
     n_out = len(_W["spec"].outputs)
+    if kind == "pre":
+        new = expand_predefined(state, infos, exprs, engine, vocab, counters, labels)
+    else:
+        _, _, sources, choices, max_outputs = task
+        new = expand_customized(state, infos, exprs, sources, choices, engine, vocab, cfg, counters, budget, labels,
+                                max_outputs=max_outputs)
     states, structures = [], []
     for st, ex in new:
         if budget.exhausted():
@@ -241,7 +245,7 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     candidates whose certificate verdict is "equivalent", cheapest first."""
     cfg = config or SearchConfig()
     _check_spec(spec)
-    engine_factory = engine_factory or default_engine
+    engine_factory = engine_factory or functools.partial(default_engine, solver=cfg.solver)
     verifier = verifier or default_verifier
     start = time.monotonic()
     deadline = start + cfg.time_budget_s if cfg.time_budget_s else None
@@ -258,60 +262,34 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
+    vocab = Vocabulary.from_spec(spec)
     runner = _Runner(spec, cfg, engine_factory, verifier, deadline)
     terminated = False
     try:
-        # main-process view of prefixes (infos only) for planning tasks
-        states = [KernelState(tuple(op for op in spec.ops if op.kind == "input"))]
-        for level in range(1, cfg.max_kernel_ops + 1):
-            if over() or not states:
-                break
-            stats.levels = level
-            tasks = _plan_level(states, cfg, counters, over)
-            bar = tqdm(total=len(tasks), desc=f"search level {level}", disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
-            next_states: list[KernelState] = []
-            next_keys: set[tuple[str, ...]] = set()
-            structures: list[KernelGraph] = []
-            wave = max(4, 8 * runner.jobs)
-            for w0 in range(0, len(tasks), wave):
-                for res in runner.imap(tasks[w0 : w0 + wave]):
-                    counters.add(res["counters"])
-                    for g in res["structures"]:
-                        h = content_hash(g)
-                        if h not in seen_structures:
-                            seen_structures.add(h)
-                            structures.append(g)
-                    if level < cfg.max_kernel_ops:
-                        for st in res["states"]:
-                            if len(next_states) >= cfg.max_states:
-                                counters.truncated = True
-                                break
-                            k = _state_key(st)
-                            if k not in next_keys:
-                                next_keys.add(k)
-                                next_states.append(st)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
-                                        structures=len(seen_structures), verified=len(found))
-                    if over():
-                        break
-                # verify what this wave completed before enumerating further: early first results
-                best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
-                structures = []
-                if over():
-                    counters.truncated = True
-                    terminated = True
-                    break
-            if bar is not None:
-                bar.close()
-            log.info("level %d: %d tasks, %d structures so far, %d prefixes kept, %d verified", level, len(tasks),
-                     len(seen_structures), len(next_states), len(found))
+        # Rounds of iterative deepening over the number of kernel operators: round d
+        # searches graphs of exactly d operators, so single-kernel fusions come first.
+        # Prefixes of the non-final levels are kept across rounds (level l of round d
+        # is the same for every d > l); in a round's final level every customized
+        # operator must produce the spec's outputs (see _plan_level).
+        start_state = KernelState(tuple(op for op in spec.ops if op.kind == "input"))
+        open_states: list[list[KernelState]] = [[start_state]]  # open_states[l]: prefixes of l operators
+        for depth in range(1, cfg.max_kernel_ops + 1):
             if terminated or over():
-                counters.truncated = True
-                terminated = True
                 break
-            states = next_states
+            while len(open_states) < depth:  # non-final level len(open_states) for this round
+                level = len(open_states)
+                states, terminated, best_hash = _run_level(open_states[-1], level, False, spec, cfg, runner, vocab, counters,
+                                                           stats, found, seen_structures, start, over, tqdm, best_hash)
+                open_states.append(states)
+                if terminated:
+                    break
+            if terminated:
+                break
+            stats.levels = depth
+            _, terminated, best_hash = _run_level(open_states[depth - 1], depth, True, spec, cfg, runner, vocab, counters,
+                                                  stats, found, seen_structures, start, over, tqdm, best_hash)
+            log.info("round %d (graphs of %d operators): %d structures so far, %d verified", depth, depth,
+                     len(seen_structures), len(found))
     finally:
         runner.close(terminate=terminated)
     cands = sorted(found.values(), key=lambda c: (c.cost, c.hash))[: cfg.max_candidates]
@@ -324,7 +302,75 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     return SearchResult(cands, stats)
 
 
-def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters, over) -> list[tuple]:
+def _run_level(states, level, final, spec, cfg, runner, vocab, counters, stats, found, seen_structures, start, over,
+               tqdm, best_hash):
+    """Expand every prefix by one operator; verify the complete structures found.
+    Returns (prefixes for the next level, terminated, hash of the best candidate)."""
+    n_out = len(spec.outputs)
+    tasks = _plan_level(states, cfg, counters, over, vocab, final, n_out, _spec_vars(spec))
+    bar = tqdm(total=len(tasks), desc=f"search level {level}{' (final)' if final else ''}",
+               disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
+    next_states: list[KernelState] = []
+    next_keys: set[tuple[str, ...]] = set()
+    terminated = False
+    wave = max(2, 2 * runner.jobs)  # small waves: structures are verified soon after they are found
+    for w0 in range(0, len(tasks), wave):
+        structures: list[KernelGraph] = []
+        for res in runner.imap(tasks[w0 : w0 + wave]):
+            counters.add(res["counters"])
+            for g in res["structures"]:
+                h = content_hash(g)
+                if h not in seen_structures:
+                    seen_structures.add(h)
+                    structures.append(g)
+            if not final:
+                for st in res["states"]:
+                    if len(next_states) >= cfg.max_states:
+                        counters.truncated = True
+                        break
+                    k = _state_key(st)
+                    if k not in next_keys:
+                        next_keys.add(k)
+                        next_states.append(st)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
+                                structures=len(seen_structures), verified=len(found))
+            if over():
+                break
+        # verify what this wave completed before enumerating further: early first results
+        best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
+        if over():
+            counters.truncated = True
+            terminated = True
+            break
+    if bar is not None:
+        bar.close()
+    log.info("level %d%s: %d tasks, %d structures so far, %d prefixes kept, %d verified", level, " (final)" if final else "",
+             len(tasks), len(seen_structures), len(next_states), len(found))
+    return next_states, terminated, best_hash
+
+
+def _spec_vars(spec: KernelGraph) -> frozenset[str]:
+    """Names of the kernel inputs the spec's outputs depend on."""
+    from mirage_serve.search.abstract import graph_exprs
+
+    exprs = graph_exprs(spec)
+    return frozenset().union(*(_vars_of(exprs[t]) for t in spec.outputs))
+
+
+def _vars_of(expr) -> frozenset[str]:
+    return frozenset(t.value for t in expr.subterms() if t.op == "var")
+
+
+def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters, over, vocab: Vocabulary,
+                final: bool = False, n_out: int = 1, spec_vars: frozenset[str] = frozenset()) -> list[tuple]:
+    """Tasks expanding each prefix by one operator. In a final level the new
+    customized operator's outputs must be the spec's outputs: at most ``n_out`` of
+    them, reading tensors that together depend on every input the spec's outputs
+    depend on (an output cannot depend on an input its operator never reads)."""
+    from mirage_serve.search.abstract import graph_exprs
+
     tasks: list[tuple] = []
     for st in states:
         if over():
@@ -333,14 +379,22 @@ def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters
         tasks.append(("pre", st))
         if st.num_customized >= cfg.max_customized:
             continue
-        infos = list(prefix_graph(st.ops).info)
+        g = prefix_graph(st.ops)
+        infos = list(g.info)
+        labels = kernel_labels(g, vocab.labels)
+        exprs = graph_exprs(g) if final else None
         for sources in customized_sources(st, infos, cfg.max_block_inputs):
-            choices = map_choices([infos[s] for s in sources], cfg.max_grid_dims, counters)
+            if final and not spec_vars <= frozenset().union(*(_vars_of(exprs[s]) for s in sources)):
+                counters.pruned_abstract += 1
+                continue
+            choices = map_choices([infos[s] for s in sources], cfg.max_grid_dims, counters,
+                                  [labels[s] for s in sources], vocab.labels)
             if not choices:
                 continue
             per = max(1, -(-len(choices) // (4 * max(1, cfg.jobs))))
+            max_outputs = min(cfg.max_block_outputs, n_out) if final else cfg.max_block_outputs
             for i in range(0, len(choices), per):
-                tasks.append(("blk", st, sources, choices[i : i + per]))
+                tasks.append(("blk", st, sources, choices[i : i + per], max_outputs))
     return tasks
 
 

@@ -54,6 +54,7 @@ from mirage_serve.mugraph.graph import (
     Op,
 )
 from mirage_serve.mugraph.shapes import TensorInfo, broadcast_shapes, infer_tile_op, tile_shape_of_input
+from mirage_serve.search.labels import SpecLabels, op_labels, spec_labels, wildcard
 
 log = logging.getLogger(__name__)
 
@@ -102,32 +103,69 @@ class Budget:
 # --------------------------------------------------------------------------- vocabulary
 
 
+# Operators a spec's compound operators decompose into when the search splits
+# them across a for-loop or a grid: an RMSNorm becomes a mean-of-squares (or
+# RMS) accumulator, ``add_scalar(eps)``, ``rsqrt`` and products; a max
+# reduction becomes a running-max accumulator with max-rescaled sums.
+_DECOMPOSE_UNARY = {"rms_norm": ("rsqrt", "add_scalar")}
+_DECOMPOSE_ACCUM = {"rms_norm": ("mean_sq_last", "rms_last"), "max": ("max_last", "rescaled_sum", "rescaled_sum_last")}
+_ALWAYS_BINARY = ("add", "mul")  # combining partial results, scaling
+_ALWAYS_REDUCE = ("sum",)  # combining partial results
+_ALWAYS_ACCUM = ("sum", "sum_last")
+
+
 @dataclass(frozen=True)
 class Vocabulary:
-    """Operator parameters the search may use, read off the spec: the scalars of
-    its scalar operators and the eps of its RMSNorms (also offered as
-    ``add_scalar``, the form an RMSNorm takes when split into a loop)."""
+    """The operator alphabet the search may use, read off the spec.
+
+    Functions: the spec's own unary / binary / reduce functions, the operators
+    its compound operators decompose into (``_DECOMPOSE_*``: RMSNorm, max), and
+    the operators every split form needs (``add``/``mul`` to combine and scale
+    partial results, ``sum`` reductions and accumulators). Parameters: the
+    scalars of its scalar operators and the eps of its RMSNorms (also offered
+    as ``add_scalar``, the form an RMSNorm takes when split into a loop).
+    ``Vocabulary.full(spec)`` offers every operator of the IR instead."""
 
     mul_scalars: tuple[float, ...]
     add_scalars: tuple[float, ...]
     eps: tuple[float, ...]
     sum_to_sizes: tuple[int, ...] = ()
+    unary_fns: tuple[str, ...] = UNARY_FNS
+    binary_fns: tuple[str, ...] = BINARY_FNS
+    reduce_fns: tuple[str, ...] = REDUCE_FNS
+    accum_fns: tuple[str, ...] = ("sum", "sum_last", "mean_sq_last", "rms_last", "max_last", "rescaled_sum", "rescaled_sum_last")
+    rms_norm: bool = True
+    labels: SpecLabels | None = None  # index labels of the spec (mirage_serve.search.labels); None: no label rules
 
     @staticmethod
-    def from_spec(spec: KernelGraph) -> Vocabulary:
+    def from_spec(spec: KernelGraph, full: bool = False) -> Vocabulary:
         mul, add, eps, sizes = set(), set(), set(), set()
+        unary, binary, reduce, accum, kinds = set(), set(_ALWAYS_BINARY), set(_ALWAYS_REDUCE), set(_ALWAYS_ACCUM), set()
 
         def visit(op: Op) -> None:
-            if op.kind == "unary" and op.attr("fn") == "mul_scalar":
-                mul.add(float(op.attr("scalar")))
-            if op.kind == "unary" and op.attr("fn") == "add_scalar":
-                add.add(float(op.attr("scalar")))
+            kinds.add(op.kind)
+            fn = op.attr("fn")
+            if op.kind == "unary":
+                unary.add(fn)
+                if fn == "mul_scalar":
+                    mul.add(float(op.attr("scalar")))
+                if fn == "add_scalar":
+                    add.add(float(op.attr("scalar")))
+            if op.kind == "binary":
+                binary.add(fn)
+            if op.kind == "reduce":
+                reduce.add(fn)
+                accum.update(_DECOMPOSE_ACCUM.get(fn, ()))
+            if op.kind == "accum":
+                accum.add(fn)
             if op.kind == "rms_norm":
                 e = float(op.attr("eps", 0.0))
                 eps.add(e)
                 if e:
                     add.add(e)
-            if op.kind in ("sum_to",) or (op.kind == "accum" and op.attr("fn") == "sum_to"):
+                unary.update(_DECOMPOSE_UNARY["rms_norm"])
+                accum.update(_DECOMPOSE_ACCUM["rms_norm"])
+            if op.kind in ("sum_to",) or (op.kind == "accum" and fn == "sum_to"):
                 sizes.add(int(op.attr("size")))
             if op.block is not None:
                 for o in op.block.ops:
@@ -135,11 +173,28 @@ class Vocabulary:
 
         for op in spec.ops:
             visit(op)
-        return Vocabulary(tuple(sorted(mul)), tuple(sorted(add)), tuple(sorted(eps)) or (0.0,), tuple(sorted(sizes)))
+        if not add:
+            unary.discard("add_scalar")
+        if not mul:
+            unary.discard("mul_scalar")
+        base = dict(mul_scalars=tuple(sorted(mul)), add_scalars=tuple(sorted(add)), eps=tuple(sorted(eps)) or (0.0,),
+                    sum_to_sizes=tuple(sorted(sizes)))
+        try:
+            base["labels"] = spec_labels(spec)
+        except MuGraphError:
+            base["labels"] = None
+        if full:
+            return Vocabulary(**base)
+        return Vocabulary(**base,
+                          unary_fns=tuple(f for f in UNARY_FNS if f in unary),
+                          binary_fns=tuple(f for f in BINARY_FNS if f in binary),
+                          reduce_fns=tuple(f for f in REDUCE_FNS if f in reduce),
+                          accum_fns=tuple(f for f in Vocabulary.accum_fns if f in accum),
+                          rms_norm="rms_norm" in kinds)
 
     def unary_ops(self) -> list[tuple[str, float | None]]:
         out: list[tuple[str, float | None]] = []
-        for fn in UNARY_FNS:
+        for fn in self.unary_fns:
             if fn == "mul_scalar":
                 out.extend((fn, s) for s in self.mul_scalars)
             elif fn == "add_scalar":
@@ -188,6 +243,15 @@ class ExprEngine:
         if not self.prune:
             return None
         return self.abstract.block_op_expr(op, in_exprs, in_infos, forloop_range)
+
+    def fingerprint(self, expr: Any) -> Any:
+        """What two tensors with equal expressions share (their normal form where the
+        abstraction has one): an operator producing a tile equal to an existing one
+        is redundant."""
+        if expr is None:
+            return None
+        nf = getattr(self.abstract, "normal_form", None)
+        return nf(expr) if nf is not None else None
 
     def possible(self, expr: Any) -> bool:
         if not self.prune or expr is None:
@@ -403,7 +467,8 @@ def _smallest_split(n: int) -> int:
     return n
 
 
-def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters | None = None) -> list[MapChoice]:
+def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters | None = None,
+                labels: list | None = None, spec_lab: SpecLabels | None = None) -> list[MapChoice]:
     """Every structurally sensible (input maps, loop dims) choice for a customized
     operator reading tensors with ``infos`` (sources are 0..n-1; the caller maps
     them to kernel tensor ids).
@@ -411,7 +476,10 @@ def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters 
     Rules (each rejected choice counts in ``pruned_other``): every grid dim is
     split by at least one input and all dims it splits have the same extent (>1);
     all loop dims have the same extent (>1) and the same grid splits; grid dims
-    appear in canonical order (their per-input columns sorted)."""
+    appear in canonical order (their per-input columns sorted). With index labels
+    (``labels`` of the inputs, ``spec_lab``): the dims one grid dim splits carry
+    one label, and the loop runs along a label the spec contracts (a loop tile
+    leaves the loop only through an accumulator, which sums or maxes along it)."""
     counters = counters or Counters()
     out: list[MapChoice] = []
     for rank in range(1, max_grid_dims + 1):
@@ -431,11 +499,22 @@ def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters 
         for combo in itertools.product(*per_input):
             counters.enumerated += 1
             choice = _check_maps(infos, rank, combo)
+            if choice is not None and labels is not None and spec_lab is not None and not _labels_fit(combo, rank, labels, spec_lab):
+                choice = None
             if choice is None:
                 counters.pruned_other += 1
                 continue
             out.append(choice)
     return out
+
+
+def _labels_fit(combo, rank: int, labels: list, spec_lab: SpecLabels) -> bool:
+    for g in range(rank):
+        seen = {labels[j][m[g]] for j, (m, _) in enumerate(combo) if m[g] >= 0} - {None}
+        if len(seen) > 1:
+            return False
+    loop = {labels[j][f] for j, (_, f) in enumerate(combo) if f >= 0} - {None}
+    return len(loop) <= 1 and all(spec_lab.is_contracted(x) for x in loop)
 
 
 def _check_maps(infos: list[TensorInfo], rank: int, combo) -> MapChoice | None:
@@ -487,62 +566,116 @@ class _BlockState:
     max_ids: list[int] = field(default_factory=list)
     keys: list[tuple] = field(default_factory=list)
     op_set: set = field(default_factory=set)
+    fps: dict = field(default_factory=dict)  # (fingerprint, shape, phase, tags) -> count
+    labels: list = field(default_factory=list)  # index labels per tile (mirage_serve.search.labels)
+    sigs: list = field(default_factory=list)  # per tile: an id of (info, tags, labels, expr, is running max)
+
+
+def _tile_fp(engine: ExprEngine, expr: Any, info: TensorInfo, tags: Tags) -> Any:
+    fp = engine.fingerprint(expr)
+    return None if fp is None else (fp, info.shape, info.phase, tags)
+
+
+def _live_bound_ok(st: _BlockState, n_in: int, remaining: int, max_outputs: int) -> bool:
+    """Can ``remaining`` more operators still consume every input and every loop
+    tile and leave at most ``max_outputs`` unconsumed tiles? Each operator reads at
+    most two tiles and leaves its own result unconsumed, so it lowers the count
+    of (unconsumed results + unused inputs) by at most one and consumes at most
+    two of the tiles that must be consumed."""
+    unused = sum(1 for j in range(n_in) if st.uses[j] == 0)
+    sinks = loop_sinks = 0
+    for t in range(n_in, len(st.infos)):
+        if st.uses[t] == 0:
+            sinks += 1
+            loop_sinks += st.infos[t].phase == "loop"
+    return sinks + unused - remaining <= max_outputs and loop_sinks + unused <= 2 * remaining
 
 
 def _op_key(op: Op) -> tuple:
     return (max(op.inputs), op.inputs, op.kind, tuple((k, repr(v)) for k, v in op.attrs))
 
 
-def _block_candidates(st: _BlockState, vocab: Vocabulary, lo: int) -> Iterator[Op]:
-    """Tile operators and accumulators over the current tiles whose largest input
-    id is at least ``lo`` (anything else breaks the canonical order)."""
-    n = len(st.infos)
-    infos = st.infos
-    for t in range(lo, n):
-        for fn, s in vocab.unary_ops():
-            yield Op.make("unary", (t,), fn=fn, scalar=s)
-    for a in range(n):
-        for b in range(n) if a >= lo else range(lo, n):
-            pa, pb = infos[a].phase, infos[b].phase
-            if {pa, pb} == {"loop", "post"}:
-                continue
-            for fn in BINARY_FNS:
-                if (fn in ("add", "mul") and a > b) or (fn in ("sub", "div") and a == b):
-                    continue
-                yield Op.make("binary", (a, b), fn=fn)
-            ra, rb = len(infos[a].shape), len(infos[b].shape)
-            if ra >= 2 and ra == rb:
-                yield Op.make("matmul", (a, b))
-                yield Op.make("matmul", (a, b), trans_b=True)
-            if a != b and ra == rb:
-                for d in range(ra):
-                    yield Op.make("concat", (a, b), dim=d)
-    for t in range(n):
-        rank = len(infos[t].shape)
-        if t >= lo:
-            for fn in REDUCE_FNS:
-                for d in range(rank):
-                    yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
-                    if rank > 1:
-                        yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
-            for e in vocab.eps:
-                yield Op.make("rms_norm", (t,), eps=e)
-            for s in vocab.sum_to_sizes:
-                yield Op.make("sum_to", (t,), size=s)
-        for e in vocab.eps:
-            for w in range(n):
-                if w != t and max(w, t) >= lo and len(infos[w].shape) == rank:
-                    yield Op.make("rms_norm", (t, w), eps=e)
-        if infos[t].phase == "loop":
-            if t >= lo:
-                for fn in ("sum", "sum_last", "mean_sq_last", "rms_last", "max_last"):
-                    yield Op.make("accum", (t,), fn=fn)
-                for s in vocab.sum_to_sizes:
-                    yield Op.make("accum", (t,), fn="sum_to", size=s)
-            for m in st.max_ids:
-                if max(t, m) >= lo:
-                    yield Op.make("accum", (t, m), fn="rescaled_sum")
-                    yield Op.make("accum", (t, m), fn="rescaled_sum_last")
+def _single_ops(vocab: Vocabulary, t: int, info: TensorInfo) -> Iterator[Op]:
+    """Every tile operator reading only tile ``t``."""
+    rank = len(info.shape)
+    for fn, sc in vocab.unary_ops():
+        yield Op.make("unary", (t,), fn=fn, scalar=sc)
+    for fn in vocab.reduce_fns:
+        for d in range(rank):
+            yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
+            if rank > 1:
+                yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
+    for e in vocab.eps if vocab.rms_norm else ():
+        yield Op.make("rms_norm", (t,), eps=e)
+    for sz in vocab.sum_to_sizes:
+        yield Op.make("sum_to", (t,), size=sz)
+    if info.phase == "loop":
+        for fn in vocab.accum_fns:
+            if not fn.startswith("rescaled"):
+                yield Op.make("accum", (t,), fn=fn)
+        for sz in vocab.sum_to_sizes:
+            yield Op.make("accum", (t,), fn="sum_to", size=sz)
+
+
+def _pair_ops(vocab: Vocabulary, a: int, b: int, ia: TensorInfo, ib: TensorInfo, b_is_max: bool) -> Iterator[Op]:
+    """Every tile operator reading tiles ``a`` and ``b`` in this order (operators
+    that need distinct tiles or an order of commutative operands are filtered by
+    the caller, which knows the tile ids)."""
+    if {ia.phase, ib.phase} == {"loop", "post"}:
+        return
+    for fn in vocab.binary_fns:
+        yield Op.make("binary", (a, b), fn=fn)
+    ra, rb = len(ia.shape), len(ib.shape)
+    if ra >= 2 and ra == rb:
+        yield Op.make("matmul", (a, b))
+        yield Op.make("matmul", (a, b), trans_b=True)
+    if ra == rb:
+        for d in range(ra):
+            yield Op.make("concat", (a, b), dim=d)
+        for e in vocab.eps if vocab.rms_norm else ():
+            yield Op.make("rms_norm", (a, b), eps=e)
+    if b_is_max and ia.phase == "loop" and "rescaled_sum" in vocab.accum_fns:
+        yield Op.make("accum", (a, b), fn="rescaled_sum")
+        yield Op.make("accum", (a, b), fn="rescaled_sum_last")
+
+
+def _id_ok(op: Op) -> bool:
+    """The tile-id rules: commutative operands in order, distinct tiles where needed."""
+    ins = op.inputs
+    if len(ins) != 2:
+        return True
+    a, b = ins
+    fn = op.attr("fn")
+    if op.kind == "binary":
+        return not ((fn in ("add", "mul") and a > b) or (fn in ("sub", "div") and a == b))
+    if op.kind in ("concat", "rms_norm", "accum"):
+        return a != b
+    return True
+
+
+def _templates(st: _BlockState, ctx: _BlockCtx, inputs: tuple[int, ...]):
+    """The operators on these tiles, evaluated once per tile signatures:
+    (valid [(kind, attrs, attrs key, outcome)], #rejected by other rules, #rejected abstractly)."""
+    key = tuple(st.sigs[t] for t in inputs)
+    hit = ctx.templates.get(key)
+    if hit is not None:
+        return hit
+    if len(inputs) == 1:
+        ops = _single_ops(ctx.vocab, inputs[0], st.infos[inputs[0]])
+    else:
+        a, b = inputs
+        ops = _pair_ops(ctx.vocab, a, b, st.infos[a], st.infos[b], b in st.max_ids)
+    valid, other, abstract = [], 0, 0
+    for op in ops:
+        res = _evaluate(st, ctx, op)
+        if res == "other":
+            other += 1
+        elif res == "abstract":
+            abstract += 1
+        else:
+            valid.append((op.kind, op.attrs, tuple((k, repr(v)) for k, v in op.attrs), res, op))
+    hit = ctx.templates[key] = (valid, other, abstract)
+    return hit
 
 
 def _weight_fits(op: Op, ins: list[TensorInfo]) -> bool:
@@ -552,7 +685,7 @@ def _weight_fits(op: Op, ins: list[TensorInfo]) -> bool:
     return broadcast_shapes(ins[0].shape, ins[1].shape, "rms_norm") == ins[0].shape
 
 
-def _try_block_op(st: _BlockState, op: Op) -> tuple[TensorInfo, Tags] | None:
+def _try_block_op(st: _BlockState, op: Op, spec_lab: SpecLabels | None = None) -> tuple[TensorInfo, Tags, tuple] | None:
     ins = [st.infos[t] for t in op.inputs]
     tags = [st.tags[t] for t in op.inputs]
     try:
@@ -580,7 +713,12 @@ def _try_block_op(st: _BlockState, op: Op) -> tuple[TensorInfo, Tags] | None:
         return None
     if tg is None or len(tg.dims) != len(info.shape):
         return None
-    return info, tg
+    if spec_lab is None or not st.labels:
+        return info, tg, wildcard(len(info.shape))
+    lab = op_labels(op, [i.shape for i in ins], [st.labels[t] for t in op.inputs], info.shape, spec_lab)
+    if lab is None:
+        return None
+    return info, tg, lab
 
 
 def output_map_of(tags: Tags, grid_rank: int) -> tuple[int, ...] | None:
@@ -619,6 +757,7 @@ def enumerate_blocks(
     max_outputs: int,
     counters: Counters,
     budget: Budget,
+    kernel_labels: list | None = None,
 ) -> Iterator[BlockCompletion]:
     """Depth-first over the operator structures of one map choice; yields every
     complete customized operator whose outputs' expressions pass the oracle."""
@@ -637,7 +776,14 @@ def enumerate_blocks(
         tags.append(Tags(tuple(dims)))
         exprs.append(kernel_exprs[sources[j]])
     st = _BlockState(infos, tags, exprs, [], [0] * len(infos))
+    if kernel_labels is not None and vocab.labels is not None:
+        st.labels = [tuple(kernel_labels[s]) for s in sources]
+    for e, i, t in zip(exprs, infos, tags, strict=True):
+        fp = _tile_fp(engine, e, i, t)
+        if fp is not None:
+            st.fps[fp] = st.fps.get(fp, 0) + 1
     ctx = _BlockCtx(choice, sources, kernel_infos, kernel_exprs, prefix, engine, vocab, max_ops, max_outputs, counters, budget)
+    st.sigs = [ctx.sig(i, t, st.labels[j] if st.labels else None, e, False) for j, (i, t, e) in enumerate(zip(infos, tags, exprs, strict=True))]
     yield from _block_dfs(st, ctx)
 
 
@@ -654,6 +800,59 @@ class _BlockCtx:
     max_outputs: int
     counters: Counters
     budget: Budget
+    # operator outcomes by input tile signatures: the same operators on equal
+    # tiles are checked once per enumeration, whatever the node
+    sig_ids: dict = field(default_factory=dict)
+    templates: dict = field(default_factory=dict)
+
+    def sig(self, info: TensorInfo, tags: Tags, label: Any, expr: Any, is_max: bool) -> int:
+        key = (info, tags, label, expr, is_max)
+        sid = self.sig_ids.get(key)
+        if sid is None:
+            sid = self.sig_ids[key] = len(self.sig_ids)
+        return sid
+
+
+def _evaluate(st: _BlockState, ctx: _BlockCtx, op: Op):
+    """(info, tags, labels, expr, fingerprint) of ``op`` on the current tiles, or
+    ("other" | "abstract") naming the rule that rejects it."""
+    res = _try_block_op(st, op, ctx.vocab.labels)
+    if res is None:
+        return "other"
+    info, tg, lab = res
+    in_exprs = [st.exprs[t] for t in op.inputs]
+    expr = ctx.engine.block_expr(op, in_exprs, [st.infos[t] for t in op.inputs], ctx.choice.forloop_range)
+    if not ctx.engine.possible(expr):
+        return "abstract"
+    if st.labels and ctx.vocab.labels is not None and not ctx.vocab.labels.summand_ok(
+            op, in_exprs, [st.labels[t] for t in op.inputs], [st.infos[t].shape for t in op.inputs]):
+        return "abstract"  # a sum over an index of the wrong product (axiom 5 with indices)
+    return info, tg, lab, expr, _tile_fp(ctx.engine, expr, info, tg)
+
+
+def _node_candidates(st: _BlockState, ctx: _BlockCtx, lo: int, n: int, prev, counters: Counters):
+    """(op, canonical key, outcome) of every valid operator that may extend this
+    node: its largest input is at least ``lo``, it reads the newest tile or its key
+    exceeds the previous operator's, and it is not already in the graph."""
+    groups = [(t,) for t in range(lo, n)]
+    groups += [(a, b) for a in range(n) for b in range(n) if max(a, b) >= lo]
+    for inputs in groups:
+        valid, other, abstract = _templates(st, ctx, inputs)
+        counters.enumerated += len(valid) + other + abstract
+        counters.pruned_other += other
+        counters.pruned_abstract += abstract
+        reads_newest = (n - 1) in inputs
+        top = max(inputs)
+        for kind, attrs, akey, res, proto in valid:
+            key = (top, inputs, kind, akey)
+            if (prev is not None and not reads_newest and key <= prev) or key in st.op_set:
+                counters.pruned_other += 1
+                continue
+            op = proto if proto.inputs == inputs else Op(kind, inputs, attrs)
+            if not _id_ok(op):
+                counters.pruned_other += 1
+                continue
+            yield op, key, res
 
 
 def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
@@ -669,37 +868,37 @@ def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
         return
     n = len(st.infos)
     prev = st.keys[-1] if st.keys else None
-    for op in _block_candidates(st, ctx.vocab, prev[0] if prev is not None else 0):
-        counters.enumerated += 1
-        key = _op_key(op)
-        if prev is not None and (n - 1) not in op.inputs and key <= prev:
-            counters.pruned_other += 1
+    lo = prev[0] if prev is not None else 0
+    for op, key, res in _node_candidates(st, ctx, lo, n, prev, counters):
+        info, tg, lab, expr, fp = res
+        if fp is not None and fp in st.fps:
+            counters.pruned_abstract += 1  # equal to an existing tile: its uses can read that one
             continue
-        if key in st.op_set:
-            counters.pruned_other += 1
-            continue
-        res = _try_block_op(st, op)
-        if res is None:
-            counters.pruned_other += 1
-            continue
-        info, tg = res
-        expr = ctx.engine.block_expr(op, [st.exprs[t] for t in op.inputs], [st.infos[t] for t in op.inputs], ctx.choice.forloop_range)
-        if not ctx.engine.possible(expr):
-            counters.pruned_abstract += 1
-            continue
+        is_max = op.kind == "accum" and op.attr("fn") == "max_last"
+        st.sigs.append(ctx.sig(info, tg, lab, expr, is_max))
         st.infos.append(info)
         st.tags.append(tg)
         st.exprs.append(expr)
+        if st.labels:
+            st.labels.append(lab)
         st.ops.append(op)
         st.keys.append(key)
         st.op_set.add(key)
         for t in op.inputs:
             st.uses[t] += 1
         st.uses.append(0)
-        is_max = op.kind == "accum" and op.attr("fn") == "max_last"
+        if fp is not None:
+            st.fps[fp] = st.fps.get(fp, 0) + 1
         if is_max:
             st.max_ids.append(n)
-        yield from _block_dfs(st, ctx)
+        if _live_bound_ok(st, len(ctx.choice.sources), ctx.max_ops - len(st.ops), ctx.max_outputs):
+            yield from _block_dfs(st, ctx)
+        else:
+            counters.pruned_other += 1
+        if fp is not None:
+            st.fps[fp] -= 1
+            if not st.fps[fp]:
+                del st.fps[fp]
         if is_max:
             st.max_ids.pop()
         st.uses.pop()
@@ -711,6 +910,9 @@ def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
         st.exprs.pop()
         st.tags.pop()
         st.infos.pop()
+        st.sigs.pop()
+        if st.labels:
+            st.labels.pop()
         if budget.exhausted():
             counters.truncated = True
             return
@@ -880,7 +1082,7 @@ def predefined_candidates(infos: list[TensorInfo], vocab: Vocabulary) -> Iterato
             yield Op.make("unary", (t,), fn=fn, scalar=s)
     for a in ids:
         for b in ids:
-            for fn in BINARY_FNS:
+            for fn in vocab.binary_fns:
                 if (fn in ("add", "mul") and a > b) or (fn in ("sub", "div") and a == b):
                     continue
                 yield Op.make("binary", (a, b), fn=fn)
@@ -892,12 +1094,12 @@ def predefined_candidates(infos: list[TensorInfo], vocab: Vocabulary) -> Iterato
                     yield Op.make("concat", (a, b), dim=d)
     for t in ids:
         rank = len(infos[t].shape)
-        for fn in REDUCE_FNS:
+        for fn in vocab.reduce_fns:
             for d in range(rank):
                 yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
                 if rank > 1:
                     yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
-        for e in vocab.eps:
+        for e in vocab.eps if vocab.rms_norm else ():
             yield Op.make("rms_norm", (t,), eps=e)
             for w in ids:
                 if w != t:
@@ -920,8 +1122,9 @@ class KernelState:
 
 
 def expand_predefined(state: KernelState, infos: list[TensorInfo], exprs: list[Any], engine: ExprEngine,
-                      vocab: Vocabulary, counters: Counters) -> list[tuple[KernelState, list[Any]]]:
-    """Append one pre-defined operator in every canonical, shape-valid, oracle-approved way."""
+                      vocab: Vocabulary, counters: Counters, labels: list | None = None) -> list[tuple[KernelState, list[Any]]]:
+    """Append one pre-defined operator in every canonical, shape-valid, label-respecting,
+    oracle-approved way (``labels``: index labels of the prefix's tensors)."""
     out = []
     n = len(infos)
     seen = {(_kernel_key(op)) for op in state.ops if op.kind != "input"}
@@ -938,8 +1141,16 @@ def expand_predefined(state: KernelState, infos: list[TensorInfo], exprs: list[A
         except MuGraphError:
             counters.pruned_other += 1
             continue
+        if labels is not None and vocab.labels is not None and op_labels(
+                op, [infos[t].shape for t in op.inputs], [labels[t] for t in op.inputs], info.shape, vocab.labels) is None:
+            counters.pruned_other += 1
+            continue
         new_exprs = engine.kernel_op_exprs(op, [exprs[t] for t in op.inputs], [infos[t] for t in op.inputs], prefix)
         if not all(engine.possible(e) for e in new_exprs):
+            counters.pruned_abstract += 1
+            continue
+        if labels is not None and vocab.labels is not None and engine.prune and not vocab.labels.summand_ok(
+                op, [exprs[t] for t in op.inputs], [labels[t] for t in op.inputs], [infos[t].shape for t in op.inputs]):
             counters.pruned_abstract += 1
             continue
         out.append((KernelState(state.ops + (op,)), exprs + new_exprs))
@@ -964,14 +1175,14 @@ def customized_sources(state: KernelState, infos: list[TensorInfo], max_inputs: 
 
 def expand_customized(state: KernelState, infos: list[TensorInfo], exprs: list[Any], sources: tuple[int, ...],
                       choices: list[MapChoice], engine: ExprEngine, vocab: Vocabulary, cfg, counters: Counters,
-                      budget: Budget) -> list[tuple[KernelState, list[Any]]]:
+                      budget: Budget, labels: list | None = None, max_outputs: int | None = None) -> list[tuple[KernelState, list[Any]]]:
     """Append one customized operator reading ``sources``, for each map choice."""
     out = []
     prefix = prefix_graph(state.ops)
     n = len(infos)
     for choice in choices:
         for comp in enumerate_blocks(choice, sources, infos, exprs, prefix, engine, vocab, cfg.max_block_ops,
-                                     cfg.max_block_outputs, counters, budget):
+                                     max_outputs or cfg.max_block_outputs, counters, budget, labels):
             if not canonical_ok(state.ops, n, comp.op):
                 counters.pruned_other += 1
                 continue

@@ -269,7 +269,16 @@ class _SpecIndex:
             for t in out.subterms():
                 self._add_poly(normal_form(t))
         self.monos: set[Mono] = {m for p in self.polys for m, _ in p}
-        self.multi = [(p, frozenset(m for m, _ in p)) for p in self.polys if len(p) > 1]
+        self.multi = [(dict(p), frozenset(m for m, _ in p)) for p in self.polys if len(p) > 1]
+        # coefficient magnitudes a lone monomial may carry: those of the spec's
+        # monomials, their products in pairs (constants regroup under
+        # associativity) and inverses; the axioms have no constant folding, so
+        # e.g. X + X (coefficient 2) cannot occur in a spec without a 2 in it
+        base = {abs(c) for p in self.polys for _, c in p} | {Fraction(1)}
+        pairs = {a * b for a in base for b in base} | base
+        self.coefs: set[Fraction] = pairs | {1 / c for c in pairs if c}
+        self._mono_cache: dict[Mono, bool] = {}
+        self._poly_cache: dict[Poly, bool] = {}
         self.atom_kinds = {atom for m in self.monos for atom, _ in m}
 
     def _add_poly(self, p: Poly) -> None:
@@ -282,6 +291,12 @@ class _SpecIndex:
                     self._add_poly(sub)
 
     def contains_mono(self, q: Mono) -> bool:
+        hit = self._mono_cache.get(q)
+        if hit is None:
+            hit = self._mono_cache[q] = self._contains_mono(q)
+        return hit
+
+    def _contains_mono(self, q: Mono) -> bool:
         if not q:
             return True
         if any(atom[0] == "cat" for atom, _ in q):
@@ -305,21 +320,28 @@ class _SpecIndex:
         return True
 
     def contains_poly(self, q: Poly) -> bool:
+        hit = self._poly_cache.get(q)
+        if hit is None:
+            hit = self._poly_cache[q] = self._contains_poly(q)
+        return hit
+
+    def _contains_poly(self, q: Poly) -> bool:
         if is_constant(q):
             return True
         if len(q) == 1:
-            (m, _), = q
-            return self.contains_mono(m)
+            (m, c), = q
+            return abs(c) in self.coefs and self.contains_mono(m)
         if any(atom[0] == "cat" for m, _ in q for atom, _ in m):
             return self._contains_with_cats(q)
-        qmonos = [m for m, _ in q]
-        first = qmonos[0]
-        for _, pm in self.multi:
-            if len(pm) < len(qmonos):
+        qitems = sorted(q, key=repr)
+        first, c0 = qitems[0]
+        for pd, pm in self.multi:
+            if len(pm) < len(qitems):
                 continue
             for m in pm:
                 f = _mono_div(m, first)
-                if all(mono_mul(f, qm) in pm for qm in qmonos[1:]):
+                k = pd[m] / c0  # the common factor's coefficient: every ratio must agree
+                if all(pd.get(mono_mul(f, qm)) == k * c for qm, c in qitems[1:]):
                     return True
         return False
 
