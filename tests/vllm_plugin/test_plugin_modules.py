@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from tiny_models import fill_cache
+from vllm_tiny_models import fill_cache
 from torch import nn
 from torch.nn import functional as F
 

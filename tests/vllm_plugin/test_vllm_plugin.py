@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm.entrypoints")
 
-from tiny_models import TINY_LLAMA_SHAPES, fill_cache, save_tiny_llama  # noqa: E402
+from vllm_tiny_models import TINY_LLAMA_SHAPES, fill_cache, save_tiny_llama  # noqa: E402
 
 HERE = Path(__file__).parent
 MAX_TOKENS = 12

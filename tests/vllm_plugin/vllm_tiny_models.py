@@ -5,7 +5,7 @@ verified against its spec by :func:`mirage_serve.verify.verify_equivalent` and
 stored through :meth:`KernelCache.put`, which re-checks the entry and its
 certificate: the same path ``mirage-serve build-cache`` writes by.
 
-Usage (by hand): python tests/vllm_plugin/tiny_models.py MODEL_DIR CACHE_DIR
+Usage (by hand): python tests/vllm_plugin/vllm_tiny_models.py MODEL_DIR CACHE_DIR
 """
 
 from __future__ import annotations
