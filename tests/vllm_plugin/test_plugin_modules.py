@@ -12,9 +12,9 @@ import types
 
 import pytest
 import torch
-from vllm_tiny_models import fill_cache
 from torch import nn
 from torch.nn import functional as F
+from vllm_tiny_models import fill_cache
 
 import mirage_serve.integrations.vllm as plugin
 from mirage_serve.integrations.vllm import patch
