@@ -102,7 +102,6 @@ class Fuzzer:
         r = self.report
         if f.explained:
             r.explained[f"{f.check}: {f.explained}"] += 1
-            r.outcomes[(f.check, "explained", f.tag)] += 1
             return
         key = (f.check, f.tag)
         graphs = f.graphs
@@ -173,7 +172,7 @@ class Fuzzer:
 
     def _reference(self, graphs: dict[str, KernelGraph], seed: int, case: str) -> None:
         f = check_reference_agrees(graphs, seed)
-        self.report.outcomes[("reference", "agree" if f is None else "finding", "" if f is None else f.tag)] += 1
+        self.report.outcomes[("reference", "agree" if f is None else ("explained" if f.explained else "finding"), "" if f is None else f.tag)] += 1
         if f is not None:
             names = list(f.graphs)
 

@@ -29,7 +29,7 @@ def test_seeded_fuzz_slice_finds_nothing_new(caplog):
     assert not new, text
     assert sum(report.cases.values()) == CASES and set(report.cases) == {"program", "kernel", "block"}, text
     outcomes = report.outcomes
-    assert not any(k[0] == "reference" and k[1] != "agree" for k in outcomes), text
+    assert not any(k[0] == "reference" and k[1] not in ("agree", "explained") for k in outcomes), text
     assert not any(k[0].startswith("verifier") and "false-accept" in k for k in outcomes), text
     assert sum(v for k, v in outcomes.items() if k[0].startswith("codegen") and k[1] == "pass") >= CASES // 2, text
     assert report.faults > 0
