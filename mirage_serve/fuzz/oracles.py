@@ -243,13 +243,14 @@ def ground_truth(cand: KernelGraph, spec: KernelGraph, seed: int, draws: int = 3
 
 
 def ground_truth_why(cand: KernelGraph, spec: KernelGraph, seed: int, draws: int = 3) -> tuple[str, float, str]:
-    """:func:`ground_truth` and why it differs: "signature", "candidate not finite" (where the spec is),
-    "spec not finite", "values" or ""."""
+    """:func:`ground_truth` and why it differs: "signature", "values", "candidate not finite" /
+    "spec not finite" (one side overflows or gives NaN where the other does not; the relative
+    difference returned is then that of the elements finite in both), or ""."""
     from mirage_serve.verify.finite_field import signature_mismatch
 
     if signature_mismatch(cand, spec):
         return "differs", math.inf, "signature"
-    worst = 0.0
+    worst, nonfinite = 0.0, ""
     for d in range(draws):
         ins, _ = graph_inputs(spec, seed + 7919 * d, scale=(1.0, 0.5, 0.25)[d % 3], dtype="float64")
         ins = [x.to(torch.float64) for x in ins]
@@ -257,16 +258,19 @@ def ground_truth_why(cand: KernelGraph, spec: KernelGraph, seed: int, draws: int
         for x, y in zip(a, b, strict=True):
             fx, fy = torch.isfinite(x), torch.isfinite(y)
             if not torch.equal(fx, fy) or not torch.equal(torch.isnan(x), torch.isnan(y)):
-                return "differs", math.inf, "candidate not finite" if bool((fy & ~fx).any()) else "spec not finite"
-            inf = ~fy & ~torch.isnan(y)
+                nonfinite = nonfinite or ("candidate not finite" if bool((fy & ~fx).any()) else "spec not finite")
+            inf = torch.isinf(x) & torch.isinf(y)
             if bool((x[inf] != y[inf]).any()):
                 return "differs", math.inf, "values"
-            if bool(fy.any()):
-                scale = float(y[fy].abs().max())
-                err = float((x - y)[fy].abs().max())
+            both = fx & fy
+            if bool(both.any()):
+                scale = float(y[both].abs().max())
+                err = float((x - y)[both].abs().max())
                 worst = max(worst, err / scale if scale > 0 else (math.inf if err > 0 else 0.0))
     if worst > 1e-6:
         return "differs", worst, "values"
+    if nonfinite:
+        return "differs", worst, nonfinite
     if worst <= 1e-11:
         return "same", worst, ""
     return "unclear", worst, ""
@@ -391,6 +395,12 @@ def check_verifier(cand: KernelGraph, spec: KernelGraph, seed: int, *, expect: s
         return VerifierResult(v, truth, "unknown", _unknown_tag(cert.reason))
     if truth == "unclear":
         return VerifierResult(v, truth, "agree" if v == "not_equivalent" else "unclear", "float64 difference between 1e-11 and 1e-6")
+    if v == "equivalent" and truth == "differs" and why.endswith("not finite") and worst <= 1e-9:
+        f = Finding("verifier", "false-accept", f"{what}: verdict equivalent; float64 agrees wherever both are finite, but {why.split()[0]} "
+                    f"overflows or gives NaN at a larger input scale", graphs,
+                    explained="equal as real functions; one program overflows float64 at an input scale above the float check's "
+                    "(e.g. e/e for 1 with e = exp(y²))", data={"seed": seed, "expect": expect})
+        return VerifierResult(v, truth, "explained", "overflow-only", f)
     if v == "equivalent" and truth == "differs":
         return VerifierResult(v, truth, "finding", "false-accept",
                               Finding("verifier", "false-accept", f"{what}: verdict equivalent, but float64 outputs differ ({why}, relative {worst:.3g}); {cert.reason}",
