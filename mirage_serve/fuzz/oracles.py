@@ -342,10 +342,42 @@ def check_codegen(graph: KernelGraph, seed: int, *, faults: int = 0, rows: int |
     if bad is None:
         return CodegenResult("pass", faults=fault_desc, rows=rows)
     tag, detail = bad
+    explained = ""
+    if faults and tag in ("spurious-nonfinite", "inf-mismatch"):
+        explained = storage_range_issue(graph, ins)
     if rows is not None and check_codegen(graph, seed, faults=faults).outcome == "pass":
         tag, detail = f"rows-{tag}", f"{detail}; with all {cg.bucket} rows of the bucket the kernel agrees"
     data = {"seed": seed, "scale": scale, "faults": faults, "rows": rows}
-    return CodegenResult("finding", tag, Finding("codegen", tag, detail + (f" (faults: {'; '.join(fault_desc)})" if fault_desc else ""), {"graph": graph}, data=data), fault_desc, rows)
+    finding = Finding("codegen", tag, detail + (f" (faults: {'; '.join(fault_desc)})" if fault_desc else ""), {"graph": graph}, explained=explained, data=data)
+    return CodegenResult("explained" if explained else "finding", tag, finding, fault_desc, rows)
+
+
+def storage_range_issue(graph: KernelGraph, inputs: Sequence[torch.Tensor]) -> str:
+    """Why a kernel may legitimately turn an injected Inf into NaN, or a finite value into Inf: some kernel
+    tensor's float64 value lies outside what its storage dtype holds (overflow to inf, or underflow
+    to 0, after which 0·inf = NaN). Empty if every kernel tensor fits."""
+    info = graph.info
+    store = storage_dtypes(graph)
+    alg = FloatAlgebra(torch.float64)
+    vals: list[torch.Tensor] = []
+    n_in = 0
+    for op in graph.ops:
+        if op.kind == "input":
+            vals.append(inputs[n_in].to(torch.float64))
+            n_in += 1
+        elif op.kind == "customized":
+            first = len(vals)
+            vals.extend(run_block(op.block, [vals[t] for t in op.inputs], alg, [info[t] for t in op.inputs], list(info[first : first + op.num_outputs])))
+        else:
+            vals.append(apply_op(alg, op, [vals[t] for t in op.inputs]))
+    for t, v in enumerate(vals):
+        if graph.ops[graph.tensor_producers[t][0]].kind == "input":
+            continue
+        fi = torch.finfo(TORCH_DTYPES[store[t]])
+        a = v[torch.isfinite(v) & (v != 0)].abs()
+        if a.numel() and (float(a.max()) > fi.max or float(a.min()) < fi.smallest_normal * fi.eps):
+            return f"a kernel tensor's float64 values leave the range of its {store[t]} storage (overflow to inf or underflow to 0, then 0·inf = NaN) next to an injected Inf/NaN"
+    return ""
 
 
 @dataclass

@@ -46,7 +46,7 @@ def replay(entry: dict[str, Any]) -> str | None:
         return None  # the IR refuses the construct now: nothing left to disagree about
     if entry["check"] == "codegen":
         r = check_codegen(g["graph"], d["seed"], faults=d.get("faults", 0), rows=d.get("rows"))
-        return None if r.outcome in ("pass", "rejected") else f"{r.tag}: {r.finding.detail if r.finding else ''}"
+        return None if r.outcome in ("pass", "rejected", "explained") else f"{r.tag}: {r.finding.detail if r.finding else ''}"
     if entry["check"] == "verifier":
         r = check_verifier(g["candidate"], g["spec"], d["seed"], expect=d.get("expect"), what=entry["name"])
         return None if r.outcome in ("agree", "unknown", "explained") else f"{r.tag}: {r.finding.detail if r.finding else ''}"

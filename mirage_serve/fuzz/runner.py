@@ -323,12 +323,17 @@ def _rescaled_max_of_higher_rank(graphs: dict[str, KernelGraph]) -> bool:
     return False
 
 
+_PADDING = ("a block add/sub that broadcasts one operand keeps the other's 'padding is zero' flag, so a later "
+            "reduction over the padded dim sums the broadcast value in the padding lanes")
+
 # Root causes already diagnosed: findings that match are grouped under the cause (still findings).
 KNOWN_CAUSES: list[tuple[str, str, str, Any]] = [
     ("codegen", "nan-dropped", "tl.max / tl.maximum ignore NaN: a NaN reaching a max reduction or running max is dropped "
      "(the reference propagates it, torch.amax semantics)", _uses_max),
-    ("codegen", "mismatch", "a block add/sub that broadcasts one operand keeps the other's 'padding is zero' flag, so a later "
-     "reduction over the padded dim sums the broadcast value in the padding lanes", _broadcast_add_reduced),
+    ("codegen", "mismatch", _PADDING, _broadcast_add_reduced),
+    # the padding bug also shows as a NaN where sqrt/rsqrt of the (wrong) sum went negative, or the reverse
+    ("codegen", "nan-dropped", _PADDING, _broadcast_add_reduced),
+    ("codegen", "spurious-nonfinite", _PADDING, _broadcast_add_reduced),
     ("codegen", "rows-mismatch", "codegen's row analysis (analysis.row_info) declares the graph variable-batch although its "
      "outputs do not depend on rows independently (a grid map moves a row-split dim elsewhere, or an output lacks the row dim)", lambda g: True),
     ("codegen", "rows-output-shape", "codegen's row analysis puts the row class in two dims of one tensor (e.g. X @ X^T, or a row "
@@ -341,6 +346,10 @@ KNOWN_CAUSES: list[tuple[str, str, str, Any]] = [
 
 
 def known_cause(check: str, tag: str, graphs: dict[str, KernelGraph]) -> str | None:
+    """The diagnosed cause a finding belongs to, or None. Row-analysis findings ("rows-*": the
+    kernel agrees at the full bucket) share one cause whatever the symptom."""
+    if check == "codegen" and tag.startswith("rows-") and tag not in ("rows-mismatch", "rows-output-shape"):
+        tag = "rows-mismatch"
     for c, t, cause, pred in KNOWN_CAUSES:
         if c == check and t == tag and pred(graphs):
             return cause
