@@ -15,6 +15,7 @@ from conftest import MUGRAPHS
 from mirage_serve.cli import main
 
 FULL = os.environ.get("MIRAGE_SERVE_FAST_CORPUS") != "1"
+pytestmark = pytest.mark.skipif(not MUGRAPHS.is_dir(), reason=f"upstream Mirage corpus not found at {MUGRAPHS} (place shared/ beside the checkout)")
 
 # file -> (spec, number of graphs, expected verdict for all of them, float check by default)
 CORPUS = {
