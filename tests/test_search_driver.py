@@ -72,7 +72,7 @@ def test_a_verifier_that_rejects_everything_leaves_nothing():
 
 
 def test_time_budget_cuts_the_search_and_says_so():
-    cfg = SMALL.replace(max_block_ops=3, time_budget_s=1.5, jobs=1)
+    cfg = SMALL.replace(max_block_ops=6, max_kernel_ops=3, time_budget_s=1.0, jobs=1)
     res = superoptimize(_matmul_spec(), cfg, engine_factory=numeric_engine)
     assert not res.stats.complete
     assert res.stats.elapsed_s < 30
