@@ -595,16 +595,21 @@ def _op_key(op: Op) -> tuple:
     return (max(op.inputs), op.inputs, op.kind, tuple((k, repr(v)) for k, v in op.attrs))
 
 
-def _single_ops(vocab: Vocabulary, t: int, info: TensorInfo) -> Iterator[Op]:
-    """Every tile operator reading only tile ``t``."""
-    rank = len(info.shape)
-    for fn, sc in vocab.unary_ops():
-        yield Op.make("unary", (t,), fn=fn, scalar=sc)
+def _reduce_ops(vocab: Vocabulary, t: int, rank: int) -> Iterator[Op]:
+    """Every reduction of tensor or tile ``t`` (each dim, kept or dropped)."""
     for fn in vocab.reduce_fns:
         for d in range(rank):
             yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
             if rank > 1:
                 yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
+
+
+def _single_ops(vocab: Vocabulary, t: int, info: TensorInfo) -> Iterator[Op]:
+    """Every tile operator reading only tile ``t``."""
+    rank = len(info.shape)
+    for fn, sc in vocab.unary_ops():
+        yield Op.make("unary", (t,), fn=fn, scalar=sc)
+    yield from _reduce_ops(vocab, t, rank)
     for e in vocab.eps if vocab.rms_norm else ():
         yield Op.make("rms_norm", (t,), eps=e)
     for sz in vocab.sum_to_sizes:
@@ -1093,12 +1098,7 @@ def predefined_candidates(infos: list[TensorInfo], vocab: Vocabulary) -> Iterato
                 for d in range(len(infos[a].shape)):
                     yield Op.make("concat", (a, b), dim=d)
     for t in ids:
-        rank = len(infos[t].shape)
-        for fn in vocab.reduce_fns:
-            for d in range(rank):
-                yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=True)
-                if rank > 1:
-                    yield Op.make("reduce", (t,), fn=fn, dim=d, keepdim=False)
+        yield from _reduce_ops(vocab, t, len(infos[t].shape))
         for e in vocab.eps if vocab.rms_norm else ():
             yield Op.make("rms_norm", (t,), eps=e)
             for w in ids:

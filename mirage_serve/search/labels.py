@@ -217,11 +217,8 @@ def spec_labels(spec: KernelGraph) -> SpecLabels:
 
     exprs = graph_exprs(spec)
     sums: dict = {}
-    t = 0
     for op in spec.ops:
         ins = list(op.inputs)
-        out = t
-        t += op.num_outputs
         if op.kind == "matmul":
             label, summand = lab(ins[0])[-1], Mul(exprs[ins[0]], exprs[ins[1]])
         elif op.kind == "reduce" and op.attr("fn") == "sum":
@@ -230,7 +227,6 @@ def spec_labels(spec: KernelGraph) -> SpecLabels:
             label, summand = lab(ins[0])[-1], Square(exprs[ins[0]])
         else:
             continue
-        del out
         sums.setdefault(label, set()).add(summand_signature(summand, base.carriers(label)))
     return SpecLabels(base.inputs, base.outputs, base.contracted, base.var_labels,
                       tuple((k, frozenset(v)) for k, v in sorted(sums.items())))
@@ -365,7 +361,8 @@ def block_output_labels(op: Op, arg_infos, arg_labels, spec: SpecLabels) -> list
     """Labels of a customized operator's output tensors: the stored tiles' labels,
     after one leading dim per grid dim that produced partial results (labelled
     by the dim that grid dim splits)."""
-    from mirage_serve.mugraph.shapes import infer_tile_op, tile_shape_of_input
+    from mirage_serve.mugraph.shapes import TensorInfo, infer_tile_op, tile_shape_of_input
+    from mirage_serve.search.enumerate import accum_info
 
     block = op.block
     tiles = []
@@ -374,15 +371,11 @@ def block_output_labels(op: Op, arg_infos, arg_labels, spec: SpecLabels) -> list
         shape = tile_shape_of_input(arg_infos[bi.source].shape, block.grid, bi.input_map, bi.forloop_dim, block.forloop_range, "labels")
         tiles.append(tuple(arg_labels[bi.source]))
         tshapes.append(shape)
-    from mirage_serve.mugraph.shapes import TensorInfo
-
     infos = [TensorInfo(s, arg_infos[bi.source].dtype, "loop" if bi.forloop_dim >= 0 else "invariant") for s, bi in zip(tshapes, block.inputs, strict=True)]
     for bop in block.ops:
         ins = [infos[t] for t in bop.inputs]
         try:
             if bop.kind == "accum":
-                from mirage_serve.search.enumerate import accum_info
-
                 oinfo = accum_info(bop.attr("fn"), ins, bop.attr("size"))
             else:
                 oinfo = infer_tile_op(bop, ins, "labels")
