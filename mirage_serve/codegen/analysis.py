@@ -76,7 +76,7 @@ class _Graph:
 
 def _join_right_aligned(g: _Graph, out: tuple, out_shape, inp: tuple, in_shape) -> None:
     off = len(out_shape) - len(in_shape)
-    for d in range(len(in_shape)):
+    for d in range(max(0, -off), len(in_shape)):  # extra leading dims of the input (size 1) join nothing
         if in_shape[d] == out_shape[d + off]:
             g.join(g.node(out, out_shape, d + off), g.node(inp, in_shape, d))
 
@@ -281,6 +281,13 @@ def row_info(graph: KernelGraph) -> RowInfo:
             dims[n[1]] = n[2]
     if reasons:
         return RowInfo(bucket, False, tuple(dims), (), f"rows are not independent: {reasons[0]}")
+    for t in range(len(info)):
+        in_rows = sorted(n[2] for n in members if n[0] == "k" and n[1] == t)
+        if len(in_rows) > 1:
+            return RowInfo(bucket, False, tuple(dims), (), f"tensor {t} has the rows in dims {in_rows} (e.g. X @ X^T)")
+    moved = _grid_moves_rows(graph, dims)
+    if moved:
+        return RowInfo(bucket, False, tuple(dims), (), moved)
     row_inputs = []
     for pos, t in enumerate(graph.input_ids):
         if dims[t] is not None and dims[t] != 0:
@@ -291,6 +298,30 @@ def row_info(graph: KernelGraph) -> RowInfo:
         if d is not None and info[t].shape[d] != bucket:  # pragma: no cover - sizes of one class agree
             return RowInfo(bucket, False, tuple(dims), (), f"tensor {t} dim {d} joins the rows with size {info[t].shape[d]}")
     return RowInfo(bucket, True, tuple(dims), tuple(row_inputs))
+
+
+def _grid_moves_rows(graph: KernelGraph, dims: list[int | None]) -> str | None:
+    """Why a grid dim that splits the rows of a block input does not place them in an output's
+    row dim (it maps them onto another dim), or None."""
+    producers = graph.tensor_producers
+    for i, op in enumerate(graph.ops):
+        if op.kind != "customized":
+            continue
+        start = producers.index((i, 0))
+        block = op.block
+        tiles = block_tile_infos(block, [graph.info[t] for t in op.inputs])
+        for j, bi in enumerate(block.inputs):
+            src = op.inputs[bi.source]
+            for gd, d in enumerate(bi.input_map):
+                if d < 0 or block.grid[gd] == 1 or d != dims[src]:
+                    continue
+                for k, bo in enumerate(block.outputs):
+                    od = bo.output_map[gd]
+                    n_partial = len(graph.info[start + k].shape) - len(tiles[bo.tensor].shape)
+                    if od >= 0 and dims[start + k] != n_partial + od:
+                        return (f"kernel op {i} ({op.describe()}): grid dim {gd} splits the rows of block input {j} "
+                                f"but places output {k}'s tiles along dim {n_partial + od}, not its row dim")
+    return None
 
 
 @dataclass(frozen=True)

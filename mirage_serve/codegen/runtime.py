@@ -35,7 +35,7 @@ import torch
 
 from mirage_serve.codegen.analysis import ExtentInfo, RowInfo, extent_info, row_info
 from mirage_serve.codegen.params import CodegenError, CodegenParams
-from mirage_serve.codegen.triton_gen import KernelSource, generate_kernel
+from mirage_serve.codegen.triton_gen import KernelSource, generate_kernel, interpreter_fast_max
 from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
 from mirage_serve.reference import TORCH_DTYPES, FloatAlgebra, apply_op
 
@@ -146,6 +146,7 @@ def load_kernel(source: KernelSource):
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         _interpreter_bf16_dot()
+        interpreter_fast_max()
 
     digest = hashlib.sha256(source.text.encode()).hexdigest()[:16]
     filename = f"<mirage_serve-codegen-{source.name}-{digest}>"

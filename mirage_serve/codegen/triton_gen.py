@@ -54,6 +54,40 @@ def _num(x: float) -> str:
     return repr(x)
 
 
+#: The combine function of NaN-propagating max reductions, emitted before a kernel that uses one.
+#: ``tl.max`` and ``tl.maximum`` default to ``maxnum`` (a NaN operand is dropped); ``torch.amax``,
+#: the reference, propagates NaN. ``maximum`` with ``PropagateNan.ALL`` is one instruction
+#: (``max.NaN.f32``) like ``maxnum``, so the reduction costs the same.
+MAX_COMBINE = "_max_nan"
+_MAX_COMBINE_SRC = f"""__name__ = "mirage_serve.codegen.generated"  # the module Triton resolves called functions in
+
+@triton.jit
+def {MAX_COMBINE}(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+"""
+
+
+def interpreter_fast_max() -> None:
+    """Let Triton's CPU interpreter reduce with :data:`MAX_COMBINE` through ``np.max`` (which
+    propagates NaN, as the combine does) instead of one Python call per element."""
+    import numpy as np
+    from triton.runtime import interpreter as it
+
+    ops = it.ReduceOps
+    if getattr(ops, "_mirage_fast_max", False):
+        return
+    original = ops.apply_impl
+
+    def apply_impl(self, input):
+        if getattr(self.combine_fn, "__name__", None) == MAX_COMBINE:
+            return self.min_max(input[0], val_reduce_op=np.max)
+        return original(self, input)
+
+    ops.apply_impl = apply_impl
+    ops._mirage_fast_max = True
+
+
 @dataclass(frozen=True)
 class KernelSource:
     """Generated source of one kernel and how to launch it."""
@@ -140,6 +174,7 @@ class _Gen:
         self.n_in = len(self.block.inputs)
         self.lines: list[str] = []
         self.uses_n_rows = False
+        self.uses_max = False  # emit the MAX_COMBINE helper
         dtypes = {i.dtype for i in arg_infos}
         self.low = next((d for d in ("bfloat16", "float16") if d in dtypes), None)
         for t, cls in enumerate(self.bd.cls):
@@ -418,7 +453,7 @@ class _Gen:
         for j, info in enumerate(self.out_infos):
             head.append(f"    out{j}: {list(info.shape)} {self.out_storage[j]}" + note(self.out_rows[j], self.out_ext[j]))
         head.append('    """')
-        text = "\n".join(head + body) + "\n"
+        text = (_MAX_COMBINE_SRC if self.uses_max else "") + "\n".join(head + body) + "\n"
         return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl))
 
     def _shrinkable(self) -> list[int]:
@@ -572,7 +607,11 @@ class _Gen:
             sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op.attr("fn")]
             ea, eb = self.expand(a, op.inputs[0], out_cls), self.expand(b, op.inputs[1], out_cls)
             self.emit(f"{name} = {ea} {sym} {eb}", depth)
-            return _Val(name, self.kept(t), a.zero and b.zero and op.attr("fn") != "div")
+            zero = a.zero and b.zero and op.attr("fn") != "div"
+            if zero and op.attr("fn") in ("add", "sub"):  # an operand broadcast along a padded class is not zero there
+                masked = {c for c in out_cls if self.pad[c] > self.bd.size[c] or c in self.dyn}
+                zero = all(masked <= set(self.classes(x, v.dims)) for x, v in zip(op.inputs, (a, b), strict=True))
+            return _Val(name, self.kept(t), zero)
         if k == "reduce":
             (x,) = ins
             src = op.inputs[0]
@@ -584,7 +623,8 @@ class _Gen:
             if op.attr("fn") == "sum":
                 self.emit(f"{name} = tl.sum({self.masked(x, src, (c,), '0.0')}, axis={axis})", depth)
                 return _Val(name, self.kept(t), x.zero)
-            self.emit(f"{name} = tl.max({self.masked(x, src, (c,), _num(float('-inf')))}, axis={axis})", depth)
+            self.uses_max = True
+            self.emit(f"{name} = tl.reduce({self.masked(x, src, (c,), _num(float('-inf')))}, {axis}, {MAX_COMBINE})", depth)
             return _Val(name, self.kept(t), False)
         if k == "rms_norm":
             x = ins[0]
@@ -696,10 +736,11 @@ class _Gen:
         out_cls = self.classes(t, self.kept(t))
         if fn == "max_last":
             xm = self.masked(x, src, (c_last,), _num(float("-inf"))) if c_last is not None else x.name
-            rowmax = f"tl.max({xm}, axis={axis})" if c_last is not None else x.name
+            self.uses_max = self.uses_max or c_last is not None
+            rowmax = f"tl.reduce({xm}, {axis}, {MAX_COMBINE})" if c_last is not None else x.name
             if need_alpha:
                 self.emit(f"mxprev{t} = mx{t}", 2)
-            self.emit(f"mx{t} = tl.maximum(mx{t}, {rowmax})", 2)
+            self.emit(f"mx{t} = tl.maximum(mx{t}, {rowmax}, propagate_nan=tl.PropagateNan.ALL)", 2)
             if need_alpha:  # an unchanged maximum rescales by exactly 1, also when it is infinite (no -inf - -inf = nan)
                 self.emit(f"alpha{t} = tl.where(mxprev{t} == mx{t}, 1.0, tl.exp(mxprev{t} - mx{t}))", 2)
             return _Val(f"mx{t}", self.kept(t), False)

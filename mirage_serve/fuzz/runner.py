@@ -268,30 +268,6 @@ class Fuzzer:
         return self.report
 
 
-def _uses_max(graphs: dict[str, KernelGraph]) -> bool:
-    for g in graphs.values():
-        for op in g.ops:
-            for o in [op] + list(op.block.ops if op.block is not None else ()):
-                if (o.kind == "reduce" and o.attr("fn") == "max") or (o.kind == "accum" and o.attr("fn") == "max_last"):
-                    return True
-    return False
-
-
-def _broadcast_add_reduced(graphs: dict[str, KernelGraph]) -> bool:
-    """A block-level add/sub whose operands have different shapes (one broadcast into the other's padding)."""
-    from mirage_serve.mugraph.shapes import block_tile_infos
-
-    for g in graphs.values():
-        for op in g.ops:
-            if op.block is None:
-                continue
-            tiles = block_tile_infos(op.block, [g.info[t] for t in op.inputs])
-            for o in op.block.ops:
-                if o.kind == "binary" and o.attr("fn") in ("add", "sub") and tiles[o.inputs[0]].shape != tiles[o.inputs[1]].shape:
-                    return True
-    return False
-
-
 def _rescaled_max_enlarges(graphs: dict[str, KernelGraph]) -> bool:
     from mirage_serve.mugraph.shapes import block_tile_infos, broadcast_shapes
 
@@ -309,47 +285,17 @@ def _rescaled_max_enlarges(graphs: dict[str, KernelGraph]) -> bool:
     return False
 
 
-def _rescaled_max_of_higher_rank(graphs: dict[str, KernelGraph]) -> bool:
-    from mirage_serve.mugraph.shapes import block_tile_infos
-
-    for g in graphs.values():
-        for op in g.ops:
-            if op.block is None:
-                continue
-            tiles = block_tile_infos(op.block, [g.info[t] for t in op.inputs])
-            if any(o.kind == "accum" and str(o.attr("fn")).startswith("rescaled") and len(tiles[o.inputs[1]].shape) > len(tiles[o.inputs[0]].shape)
-                   for o in op.block.ops):
-                return True
-    return False
-
-
-_PADDING = ("a block add/sub that broadcasts one operand keeps the other's 'padding is zero' flag, so a later "
-            "reduction over the padded dim sums the broadcast value in the padding lanes")
-
-# Root causes already diagnosed: findings that match are grouped under the cause (still findings).
+# Root causes diagnosed but not yet fixed, as (check, tag, cause, predicate on the graphs):
+# findings that match are grouped under the cause (still findings; each needs a strict-xfail
+# regression, see tests/fuzz/test_fuzz_regressions.py).
 KNOWN_CAUSES: list[tuple[str, str, str, Any]] = [
-    ("codegen", "nan-dropped", "tl.max / tl.maximum ignore NaN: a NaN reaching a max reduction or running max is dropped "
-     "(the reference propagates it, torch.amax semantics)", _uses_max),
-    ("codegen", "mismatch", _PADDING, _broadcast_add_reduced),
-    # the padding bug also shows as a NaN where sqrt/rsqrt of the (wrong) sum went negative, or the reverse
-    ("codegen", "nan-dropped", _PADDING, _broadcast_add_reduced),
-    ("codegen", "spurious-nonfinite", _PADDING, _broadcast_add_reduced),
-    ("codegen", "rows-mismatch", "codegen's row analysis (analysis.row_info) declares the graph variable-batch although its "
-     "outputs do not depend on rows independently (a grid map moves a row-split dim elsewhere, or an output lacks the row dim)", lambda g: True),
-    ("codegen", "rows-output-shape", "codegen's row analysis puts the row class in two dims of one tensor (e.g. X @ X^T, or a row "
-     "vector broadcast against a row column) and still declares the graph variable-batch", lambda g: True),
-    ("codegen", "supports-crash", "codegen's dim analysis indexes past a tile's rank when a rescaled accumulator's running max "
-     "has more dims than the tile; supports() raises instead of answering", _rescaled_max_of_higher_rank),
     ("reference", "crash", "the shape rule accepts a rescaled accumulator whose running max enlarges its tile; the reference "
      "cannot store the larger value", _rescaled_max_enlarges),
 ]
 
 
 def known_cause(check: str, tag: str, graphs: dict[str, KernelGraph]) -> str | None:
-    """The diagnosed cause a finding belongs to, or None. Row-analysis findings ("rows-*": the
-    kernel agrees at the full bucket) share one cause whatever the symptom."""
-    if check == "codegen" and tag.startswith("rows-") and tag not in ("rows-mismatch", "rows-output-shape"):
-        tag = "rows-mismatch"
+    """The diagnosed open cause (:data:`KNOWN_CAUSES`) a finding belongs to, or None."""
     for c, t, cause, pred in KNOWN_CAUSES:
         if c == check and t == tag and pred(graphs):
             return cause
