@@ -38,6 +38,13 @@ def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return True
 
 
+def _fits(m: tuple[int, ...], x: tuple[int, ...]) -> bool:
+    """A running max of shape ``m`` broadcasts into the tile ``x`` without enlarging it."""
+    out = broadcast_shapes(x, m, "")
+    lead = len(out) - len(x)
+    return out[lead:] == x and all(d == 1 for d in out[:lead])
+
+
 def _matmul_ok(a: tuple[int, ...], b: tuple[int, ...], trans_b: bool) -> bool:
     if len(a) < 2 or len(b) < 2 or (len(b) != 2 and a[:-2] != b[:-2]):
         return False
@@ -130,7 +137,7 @@ def _draw_block(draw, shapes: list[tuple[int, ...]]) -> tuple[list[int], object]
                     which = draw(st.sampled_from(["rescaled_sum", "rescaled_sum_last"]))
                     add(shape if which == "rescaled_sum" else last, "post", b.accum(which, p, m))
             elif fn == "rescaled":
-                ms = [m for m in max_ids if _broadcasts(shape, tiles[m][0])]
+                ms = [m for m in max_ids if _broadcasts(shape, tiles[m][0]) and _fits(tiles[m][0], shape)]
                 if ms:
                     m = draw(st.sampled_from(ms))
                     which = draw(st.sampled_from(["rescaled_sum", "rescaled_sum_last"]))

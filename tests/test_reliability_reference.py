@@ -72,9 +72,6 @@ def test_rms_norm_weight_must_broadcast_to_x():
     assert out.shape == (4, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="mugraph/shapes.py accepts a rescaled accumulator whose running max broadcasts its tile to a "
-                   "larger shape, declaring the tile's shape, which the reference cannot store; refusing it breaks the graph strategy of "
-                   "tests/test_mugraph_json.py, which builds such accumulators, so the rule is left to the IR's owner")
 def test_rescaled_accumulator_refuses_a_max_that_would_enlarge_its_tile():
     # found by the fuzzer: rescaled_sum(y [1, 1], m [2, 1]) validates with y's shape, and the reference
     # crashes storing the [2, 1] value it computes

@@ -268,30 +268,11 @@ class Fuzzer:
         return self.report
 
 
-def _rescaled_max_enlarges(graphs: dict[str, KernelGraph]) -> bool:
-    from mirage_serve.mugraph.shapes import block_tile_infos, broadcast_shapes
-
-    for g in graphs.values():
-        for op in g.ops:
-            if op.block is None:
-                continue
-            tiles = block_tile_infos(op.block, [g.info[t] for t in op.inputs])
-            for o in op.block.ops:
-                if o.kind == "accum" and str(o.attr("fn")).startswith("rescaled"):
-                    x, m = tiles[o.inputs[0]].shape, tiles[o.inputs[1]].shape
-                    out = broadcast_shapes(x, m, "")
-                    if out[len(out) - len(x):] != x or any(d != 1 for d in out[: len(out) - len(x)]):
-                        return True
-    return False
-
-
 # Root causes diagnosed but not yet fixed, as (check, tag, cause, predicate on the graphs):
 # findings that match are grouped under the cause (still findings; each needs a strict-xfail
-# regression, see tests/fuzz/test_fuzz_regressions.py).
-KNOWN_CAUSES: list[tuple[str, str, str, Any]] = [
-    ("reference", "crash", "the shape rule accepts a rescaled accumulator whose running max enlarges its tile; the reference "
-     "cannot store the larger value", _rescaled_max_enlarges),
-]
+# regression, see tests/fuzz/test_fuzz_regressions.py). Empty: every cause found so far is
+# fixed, so a finding of any kind is new.
+KNOWN_CAUSES: list[tuple[str, str, str, Any]] = []
 
 
 def known_cause(check: str, tag: str, graphs: dict[str, KernelGraph]) -> str | None:

@@ -335,7 +335,11 @@ def _infer_accum(op: Op, ins: list[TensorInfo], in_ids: list[int], max_outputs: 
     if rescaled:
         if in_ids[1] not in max_outputs:
             raise MuGraphError(f"{where}: second input must be the output of a max_last accumulator")
-        broadcast_shapes(x.shape, ins[1].shape, where)
+        b = broadcast_shapes(x.shape, ins[1].shape, where)
+        lead = len(b) - len(x.shape)
+        if b[lead:] != x.shape or any(d != 1 for d in b[:lead]):
+            raise MuGraphError(f"{where}: the running max {list(ins[1].shape)} would broadcast the accumulated tile "
+                               f"{list(x.shape)} to {list(b)}; a rescaled accumulator's max must broadcast into its tile")
     shape = x.shape
     if fn in ("sum_last", "mean_sq_last", "rms_last", "max_last", "rescaled_sum_last"):
         shape = shape[:-1] + (1,)
