@@ -98,14 +98,24 @@ def storage_dtypes(graph: KernelGraph) -> list[str]:
 
 def run_noisy(graph: KernelGraph, inputs: Sequence[torch.Tensor], gen: torch.Generator) -> list[torch.Tensor]:
     """The graph in float64 under :class:`NoisyAlgebra`, each kernel tensor perturbed by its storage unit."""
-    info = graph.info
     store = storage_dtypes(graph)
-    alg = NoisyAlgebra(COMPUTE_UNIT, gen)
-    vals: list[torch.Tensor] = []
-    n_in = 0
 
     def stored(x: torch.Tensor, t: int) -> torch.Tensor:
         return x * (1 + STORE_UNIT[store[t]] * torch.randn(x.shape, generator=gen, dtype=torch.float64))
+
+    vals = kernel_values(graph, inputs, NoisyAlgebra(COMPUTE_UNIT, gen), stored)
+    return [vals[t] for t in graph.outputs]
+
+
+def kernel_values(graph: KernelGraph, inputs: Sequence[torch.Tensor], alg, stored=None) -> list[torch.Tensor]:
+    """Every kernel tensor of ``graph`` in float64 under the algebra ``alg``; ``stored(x, t)``, when
+    given, replaces each computed kernel tensor ``t`` (e.g. by a rounding of its storage dtype)."""
+    info = graph.info
+    vals: list[torch.Tensor] = []
+    n_in = 0
+
+    def keep(x: torch.Tensor, t: int) -> torch.Tensor:
+        return x if stored is None else stored(x, t)
 
     for op in graph.ops:
         if op.kind == "input":
@@ -114,10 +124,10 @@ def run_noisy(graph: KernelGraph, inputs: Sequence[torch.Tensor], gen: torch.Gen
         elif op.kind == "customized":
             first = len(vals)
             outs = run_block(op.block, [vals[t] for t in op.inputs], alg, [info[t] for t in op.inputs], list(info[first : first + op.num_outputs]))
-            vals.extend(stored(o, first + j) for j, o in enumerate(outs))
+            vals.extend(keep(o, first + j) for j, o in enumerate(outs))
         else:
-            vals.append(stored(apply_op(alg, op, [vals[t] for t in op.inputs]), len(vals)))
-    return [vals[t] for t in graph.outputs]
+            vals.append(keep(apply_op(alg, op, [vals[t] for t in op.inputs]), len(vals)))
+    return vals
 
 
 def kernel_tolerance(graph: KernelGraph, inputs: Sequence[torch.Tensor], exact: list[torch.Tensor], seed: int, draws: int = 3) -> list[torch.Tensor]:
@@ -356,20 +366,8 @@ def storage_range_issue(graph: KernelGraph, inputs: Sequence[torch.Tensor]) -> s
     """Why a kernel may legitimately turn an injected Inf into NaN, or a finite value into Inf: some kernel
     tensor's float64 value lies outside what its storage dtype holds (overflow to inf, or underflow
     to 0, after which 0·inf = NaN). Empty if every kernel tensor fits."""
-    info = graph.info
     store = storage_dtypes(graph)
-    alg = FloatAlgebra(torch.float64)
-    vals: list[torch.Tensor] = []
-    n_in = 0
-    for op in graph.ops:
-        if op.kind == "input":
-            vals.append(inputs[n_in].to(torch.float64))
-            n_in += 1
-        elif op.kind == "customized":
-            first = len(vals)
-            vals.extend(run_block(op.block, [vals[t] for t in op.inputs], alg, [info[t] for t in op.inputs], list(info[first : first + op.num_outputs])))
-        else:
-            vals.append(apply_op(alg, op, [vals[t] for t in op.inputs]))
+    vals = kernel_values(graph, inputs, FloatAlgebra(torch.float64))
     for t, v in enumerate(vals):
         if graph.ops[graph.tensor_producers[t][0]].kind == "input":
             continue

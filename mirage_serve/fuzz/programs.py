@@ -345,6 +345,15 @@ def bcast(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
     return t if len(named) == len(set(named)) else None
 
 
+def _plain_cat(cats: set[str]) -> str | None:
+    """The category of a value combined from plain tiles (invariants with chunks, or invariants
+    with post-loop values), or None when a partial or max-shifted tile takes part."""
+    for cat, allowed in ((INV, {INV}), (CHUNK, {CHUNK, INV}), (POST, {POST, INV})):
+        if cats <= allowed:
+            return cat
+    return None
+
+
 SAFE_UNARY = ("neg", "mul_scalar", "add_scalar", "square", "silu", "exp")
 POS_UNARY = ("sqrt", "rsqrt", "recip")
 SCALARS = (0.5, 2.0, -1.5, 0.125, 0.3, 3.0, -0.7)
@@ -412,12 +421,9 @@ class ProgBuilder:
         if MAX in cats:
             raise Reject("running max outside the template")
         m = a.m if a.m is not None else b.m
-        if cats <= {INV}:
-            cat = INV
-        elif cats <= {CHUNK, INV}:
-            cat = CHUNK
-        elif cats <= {POST, INV}:
-            cat = POST
+        cat = _plain_cat(cats)
+        if cat is not None:
+            pass
         elif cats == {PARTIAL} or cats == {PARTIAL_M}:
             if fn not in ("add", "sub"):
                 raise Reject("partials combine linearly")
@@ -467,12 +473,9 @@ class ProgBuilder:
             else:
                 raise Reject("stream contraction of these categories")
         elif role == "inner":
-            if cats <= {INV}:
-                cat = INV
-            elif cats <= {CHUNK, INV}:
-                cat = CHUNK
-            elif cats <= {POST, INV}:
-                cat = POST
+            cat = _plain_cat(cats)
+            if cat is not None:
+                pass
             elif cats in ({PARTIAL, INV},) and b.cat == INV:
                 cat = PARTIAL
             elif cats in ({PARTIAL_M, INV},) and b.cat == INV:

@@ -185,6 +185,13 @@ class Fuzzer:
             f.graphs = {n: f.graphs[n] for n in names}
             self._finding(f, still, case, joint_only=True)  # the two lowerings must stay lowerings of one program
 
+    def _mutant(self, base: KernelGraph, spec: KernelGraph, rng: random.Random, seed: int, origin: str, case: str) -> None:
+        """A mutant of ``base`` (if the mutator finds one) judged against ``spec`` by float64."""
+        m = kernels.mutate(base, rng)
+        if m is not None:
+            self.report.graphs["mutant"] += 1
+            self._verify(m[0], spec, seed, None, f"{origin} mutant: {m[1]}", "mutant", case)
+
     # -- cases ----------------------------------------------------------------------
     def case(self, index: int) -> None:
         seed = case_seed(self.cfg.seed, index)
@@ -217,11 +224,7 @@ class Fuzzer:
         if self.cfg.verifier:
             self._verify(lowered[0], spec, seed, "same", f"{prog.skeleton} lowered with {tilings[0].describe()}", "tiling-a", name)
             self._verify(spec_rw, spec, seed, "same", f"{prog.skeleton} spec rewritten ({', '.join(applied)})", "rewrite", name)
-            base = rng.choice((lowered[1], lowered[0], spec))
-            m = kernels.mutate(base, rng)
-            if m is not None:
-                g["mutant"] += 1
-                self._verify(m[0], spec, seed, None, f"{prog.skeleton} mutant: {m[1]}", "mutant", name)
+            self._mutant(rng.choice((lowered[1], lowered[0], spec)), spec, rng, seed, prog.skeleton, name)
         if self.cfg.codegen:
             for j, lg in enumerate(lowered):
                 self._codegen(lg, seed + j, rng, f"tiling-{'ab'[j]}", name)
@@ -235,22 +238,15 @@ class Fuzzer:
         self._reference({"graph": graph, "rewrite": rw}, seed, name)
         if self.cfg.verifier:
             self._verify(rw, graph, seed, "same", f"kernel graph rewritten ({', '.join(applied)})", "rewrite", name)
-            m = kernels.mutate(graph, rng)
-            if m is not None:
-                g["mutant"] += 1
-                self._verify(m[0], graph, seed, None, f"kernel graph mutant: {m[1]}", "mutant", name)
+            self._mutant(graph, graph, rng, seed, "kernel graph", name)
         if self.cfg.codegen:
             self._codegen(graph, seed, rng, "graph", name)
 
     def _case_block(self, rng: random.Random, seed: int, name: str) -> None:
         graph = blocks.random_block_graph(rng)
-        g = self.report.graphs
-        g["free block graph"] += 1
+        self.report.graphs["free block graph"] += 1
         if self.cfg.verifier:
-            m = kernels.mutate(graph, rng)
-            if m is not None:
-                g["mutant"] += 1
-                self._verify(m[0], graph, seed, None, f"block graph mutant: {m[1]}", "mutant", name)
+            self._mutant(graph, graph, rng, seed, "block graph", name)
         if self.cfg.codegen:
             self._codegen(graph, seed, rng, "graph", name)
 
