@@ -162,8 +162,10 @@ class _Gen:
         where: str,
         arg_ext: list[dict[int, int]] | None = None,
         out_ext: list[dict[int, int]] | None = None,
+        early_inputs: frozenset[int] = frozenset(),
     ) -> None:
         self.name, self.op, self.block = name, op, op.block
+        self.early_inputs = early_inputs
         self.arg_ext = arg_ext or [{} for _ in arg_infos]
         self.out_ext = out_ext or [{} for _ in out_infos]
         self.arg_infos, self.arg_storage, self.arg_rows = arg_infos, arg_storage, arg_rows
@@ -372,9 +374,14 @@ class _Gen:
         blk, rng = self.block, self.block.forloop_range
         body: list[str] = []
         self.lines = body
+        phases = [info.phase for info in self.tiles]
+        deferred = self._deferred(phases)
+        wait_late = deferred is not None
         if self.params.pdl:  # wait for the kernel before (its outputs, and its reads of our outputs), then let the next one launch
-            self.emit("tl.extra.cuda.gdc_wait()")
+            if not wait_late:
+                self.emit("tl.extra.cuda.gdc_wait()")
             self.emit("tl.extra.cuda.gdc_launch_dependents()")
+        deferred = deferred or set()
         extents = sorted({e for m in self.arg_ext + self.out_ext for e in m.values()} | set(self.dyn.values()))
         for e in extents:
             self.emit(f"v_ext{e} = tl.minimum(tl.load(ext{e}_ptr), n_ext{e})")
@@ -392,13 +399,12 @@ class _Gen:
                 self.emit(self.dyn_mask_line(c))
         loads = self._emit_load_setup()
         env: dict[int, _Val] = {}
-        phases = [info.phase for info in self.tiles]
         for j, bi in enumerate(blk.inputs):
-            if bi.forloop_dim == -1:
+            if bi.forloop_dim == -1 and j not in deferred:
                 env[j] = self._emit_load(j, loads[j], 1)
         for j, op in enumerate(blk.ops):
             t = self.n_in + j
-            if phases[t] == "invariant":
+            if phases[t] == "invariant" and t not in deferred:
                 env[t] = self._emit_op(op, t, env, 1, "")
         accs = [self.n_in + j for j, op in enumerate(blk.ops) if op.kind == "accum"]
         alpha_needed = {op.inputs[1] for op in blk.ops if op.kind == "accum" and op.attr("fn").startswith("rescaled")}
@@ -421,6 +427,15 @@ class _Gen:
         if not any(phases[t] in ("loop", "both") for t in range(len(self.tiles))):
             self.emit("pass", 2)
         post = dict(env)
+        if wait_late:  # the loop read graph inputs only; what earlier kernels wrote is read (and outputs written) after it
+            self.emit("tl.extra.cuda.gdc_wait()")
+        for j, bi in enumerate(blk.inputs):
+            if j in deferred:
+                post[j] = self._emit_load(j, loads[j], 1)
+        for j, op in enumerate(blk.ops):
+            t = self.n_in + j
+            if t in deferred:
+                post[t] = self._emit_op(op, t, post, 1, "")
         for j, op in enumerate(blk.ops):
             t = self.n_in + j
             if op.kind == "accum":
@@ -455,6 +470,28 @@ class _Gen:
         head.append('    """')
         text = (_MAX_COMBINE_SRC if self.uses_max else "") + "\n".join(head + body) + "\n"
         return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl))
+
+    def _deferred(self, phases: list[str]) -> set[int] | None:
+        """With ``pdl``, in a kernel whose launch may overlap the kernel before it: the loop-invariant
+        tiles to load and compute after the loop, so that the loop streams graph inputs while the
+        kernel before still runs; None (wait at the start) unless everything read up to the end of the
+        loop is a graph input (``early_inputs``: it was written before the kernel before this one
+        passed its own wait, so it is visible here)."""
+        if not self.params.pdl or not self.early_inputs:
+            return None
+        blk = self.block
+        need: set[int] = set()  # invariant tiles the loop reads, directly or through invariant ops
+        for j in reversed(range(len(blk.ops))):
+            t, op = self.n_in + j, blk.ops[j]
+            if op.kind == "accum" or phases[t] in ("loop", "both") or t in need:
+                need.update(x for x in op.inputs if phases[x] == "invariant")
+        if not any(bi.forloop_dim != -1 for bi in blk.inputs):
+            return None
+        invariant = {t for t in range(len(self.tiles)) if phases[t] == "invariant"}
+        early = need | {j for j, bi in enumerate(blk.inputs) if bi.forloop_dim != -1}
+        if any(blk.inputs[j].source not in self.early_inputs for j in range(self.n_in) if j in early):
+            return None
+        return invariant - need
 
     def _shrinkable(self) -> list[int]:
         """Rows each program owns along grid dims that every output maps to its row dim."""
@@ -793,19 +830,23 @@ def generate_kernel(
     where: str,
     arg_ext: list[dict[int, int]] | None = None,
     out_ext: list[dict[int, int]] | None = None,
+    early_inputs: frozenset[int] = frozenset(),
 ) -> KernelSource:
     """Triton source for one customized operator (see the module docstring).
 
-    ``arg_ext`` / ``out_ext``: per kernel input / output, its variable-extent dims (dim -> extent id)."""
+    ``arg_ext`` / ``out_ext``: per kernel input / output, its variable-extent dims (dim -> extent id).
+    ``early_inputs``: kernel inputs that a ``pdl`` launch may read before waiting for the kernel
+    before it (graph inputs, in a kernel that is not the graph's first)."""
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
-    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext)
+    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs)
     f = params.k_chunks
     if f > 1 and any(bi.forloop_dim != -1 for bi in op.block.inputs):
         check_loop_refinable(op.block, gen.bd, f, where)
         refined = dataclasses.replace(op, block=dataclasses.replace(op.block, forloop_range=op.block.forloop_range * f))
         try:
-            gen = _Gen(name, refined, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext)
+            gen = _Gen(name, refined, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext,
+                       early_inputs)
         except MuGraphError as e:
             raise CodegenError(f"{where}: k_chunks={f} does not divide the loop tiles: {e}") from e
     return gen.generate()

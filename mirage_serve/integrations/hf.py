@@ -242,10 +242,11 @@ class _LoraKernelLinear(nn.Module):
         self.adapter = adapter
         self.provider = provider
         self.dtype = dtype
+        self.train(original.training)  # a new module starts in training mode; ``o.training`` decides below
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         o = self.original
-        if self.training or args or kwargs or o.merged or list(o.active_adapters) != [self.adapter] or torch.is_grad_enabled() and x.requires_grad:
+        if o.training or args or kwargs or o.merged or list(o.active_adapters) != [self.adapter] or torch.is_grad_enabled() and x.requires_grad:
             return o(x, *args, **kwargs)
         base = o.base_layer
         a, b = o.lora_A[self.adapter].weight, o.lora_B[self.adapter].weight
@@ -296,14 +297,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The transformers model under any peft wrappers, and the path prefix to its modules."""
+    """The transformers model under any peft wrappers, and the path prefix to its modules.
+
+    A ``PeftModel`` holds its tuner (``LoraModel``) as the submodule ``base_model``, the tuner holds the
+    transformers model as ``model``; both also forward attribute reads to what they wrap, so the walk
+    follows registered submodules only, and stops at the first transformers model."""
+    from transformers import PreTrainedModel
+
     root, prefix = model, ""
-    while hasattr(root, "base_model") and root.base_model is not root and type(root).__name__.startswith(("Peft", "Lora")):
-        root = root.base_model
-        prefix += "base_model."
-    if hasattr(root, "model") and type(root).__name__ == "LoraModel":
-        root = root.model
-        prefix += "model."
+    while hasattr(root, "peft_config") and not isinstance(root, PreTrainedModel):
+        children = root._modules
+        name = "base_model" if "base_model" in children else "model" if "model" in children else None
+        if name is None:
+            break
+        root = children[name]
+        prefix += name + "."
     return root, prefix
 
 

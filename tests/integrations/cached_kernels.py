@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from handwritten import fused_rmsnorm_linear, split_kv_attention
+from handwritten import fused_lora, fused_rmsnorm_linear, split_kv_attention
 
 from mirage_serve.cache import CacheEntry, CacheKey, KernelCache
 from mirage_serve.models import get_adapter
@@ -27,14 +27,21 @@ def put_verified(cache: KernelCache, spec_name: str, dims: dict, graph, options:
 
 
 def fill_cache(cache: KernelCache, model, dtype: str = "float32", *, norms: bool = True, kv_lens: Iterable[int] | None = None,
-               attention_batches: Iterable[int] = (2,)) -> list[int]:
+               attention_batches: Iterable[int] = (2,), lora=None) -> list[int]:
     """Entries for every norm→linear shape of the tiny model and decode attention at its kv_len buckets
-    (``kv_lens`` as ``build-cache --kv-lens``, capped at the context by the adapter; default build-cache's).
-    Returns the kv_len buckets filled."""
+    (``kv_lens`` as ``build-cache --kv-lens``, capped at the context by the adapter; default build-cache's),
+    and with ``lora`` (a peft LoraConfig or adapter directory, as ``build-cache --lora-config``) every
+    LoRA-augmented projection. Returns the kv_len buckets filled."""
     adapter = get_adapter(model.config.model_type)
-    plan = adapter.plan(model.config, BUCKETS, dtype=dtype, **({} if kv_lens is None else {"kv_lens": tuple(kv_lens)}))
+    plan = adapter.plan(model.config, BUCKETS, dtype=dtype, lora=lora, **({} if kv_lens is None else {"kv_lens": tuple(kv_lens)}))
     done = set()
     for sg in plan.subgraphs:
+        if sg.spec_name == "lora_linear" and sg.signature() not in done:
+            done.add(sg.signature())
+            d = sg.dims
+            g = fused_lora(d["batch"], d["in"], d["out"], d["rank"], n_blocks=2, loop=4, scale=sg.options["scale"], dtype=dtype)
+            put_verified(cache, "lora_linear", d, g, sg.options)
+            continue
         if not norms or sg.spec_name != "rmsnorm_linear" or sg.signature() in done:
             continue
         done.add(sg.signature())

@@ -124,3 +124,45 @@ def test_unknown_architecture_is_refused(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(AdapterError, match="supported architectures"):
         patch_model(model, tmp_path / "cache")
+
+
+def test_patched_lora_model_matches_unpatched(tmp_path, monkeypatch):
+    """A peft LoRA adapter (random A and B, saved and reloaded offline) on a tiny Llama: the adapted q/v
+    projections run lora_linear, the MLP norm and gate/up their fused kernel, decode attention its kernel;
+    logits and 32 greedy tokens equal the unpatched adapted model's."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, path = tiny_model("llama", tmp_path)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(7)
+    peft.get_peft_model(model, config).save_pretrained(tmp_path / "adapter")  # init_lora_weights=False: B is random, not 0
+    base = AutoModelForCausalLM.from_pretrained(path)
+    lora = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref_logits = lora(ids).logits
+        with lora.disable_adapter():
+            plain = lora(ids).logits
+    assert float((plain - ref_logits).norm() / ref_logits.norm()) > 1e-2  # the adapter changes the model
+    ref_tokens, ref_step_logits = _generate(lora, ids)
+    cache = KernelCache(tmp_path / "cache")
+    fill_cache(cache, base, kv_lens=(64,), lora=tmp_path / "adapter")
+    report = patch_model(lora, cache, kv_buckets=(64,))
+    by_role = {}
+    for r in report.records:
+        by_role.setdefault((r.role, r.patched), []).append(r)
+    assert len(by_role[("lora_linear", True)]) == 4  # q and v of both layers
+    assert len(by_role[("mlp_norm_gate_up", True)]) == 2 and len(by_role[("attention_decode", True)]) == 1
+    skipped = by_role[("attn_norm_qkv", False)]  # q/v are LoRA wrappers: that fusion is refused, with the reason
+    assert len(skipped) == 2 and all("LoRA wrapper" in r.reason for r in skipped)
+    with torch.no_grad():
+        logits = lora(ids).logits
+    assert float((logits - ref_logits).norm() / ref_logits.norm()) <= 1e-4
+    tokens, step_logits = _generate(lora, ids)
+    assert torch.equal(tokens, ref_tokens)
+    assert float((step_logits - ref_step_logits).norm() / ref_step_logits.norm()) <= 1e-4
+    calls = report.kernel_calls()
+    for spec, least in (("lora_linear", 4 * 32), ("rmsnorm_linear", 2 * 32), ("attention_decode", 2 * 31)):
+        assert sum(n for e, n in calls.items() if e.startswith(spec)) >= least, (spec, calls)
