@@ -127,38 +127,56 @@ class StaticDecoder:
 
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 32, *, cuda_graph: bool | None = None,
-             return_stats: bool = False):
+             return_stats: bool = False, forced_tokens: torch.Tensor | None = None, return_logits: bool = False):
     """Greedy decoding of ``max_new_tokens`` tokens after ``input_ids [b, prompt]`` (no padding).
 
     With ``cuda_graph`` (default: on when the model is on a GPU) the decode step is
-    captured once and replayed per token. Returns the tokens ``[b, prompt + new]``
-    (and :class:`GenerateStats` with ``return_stats``). The result equals
+    captured once and replayed per token. Returns the tokens ``[b, prompt + new]``,
+    then the logits ``[b, new, vocab]`` (float32) with ``return_logits``, then
+    :class:`GenerateStats` with ``return_stats``. The result equals
     ``model.generate(input_ids, do_sample=False, max_new_tokens=...)`` up to
     floating-point ties.
+
+    ``forced_tokens [b, new]`` scores a given continuation instead (teacher forcing):
+    the token fed at position ``prompt + i`` is ``forced_tokens[:, i]``, and the
+    returned token ``i`` is the model's greedy choice after ``prompt + forced[:, :i]``,
+    by the same decode step (captured the same way). Two models compared this way
+    see the same context at every position.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     b, prompt = input_ids.shape
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (b, max_new_tokens):
+        raise ValueError(f"forced_tokens must be [batch, max_new_tokens] = {[b, max_new_tokens]}, got {list(forced_tokens.shape)}")
     dec = StaticDecoder(model, b, prompt + max_new_tokens)
     ids = input_ids.to(dec.device)
     use_graph = (dec.device.type == "cuda") if cuda_graph is None else cuda_graph
     if use_graph and dec.device.type != "cuda":
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
-    out = torch.empty(b, prompt + max_new_tokens, dtype=ids.dtype, device=dec.device)
-    out[:, :prompt] = ids
+    chosen = torch.empty(b, max_new_tokens, dtype=ids.dtype, device=dec.device)  # greedy choice at each new position
+    forced = None if forced_tokens is None else forced_tokens.to(device=dec.device, dtype=ids.dtype).contiguous()
     t0 = time.perf_counter()
     logits = dec.forward(ids, torch.arange(prompt, device=dec.device))
+    logits_buf = None
+    if return_logits:
+        logits_buf = torch.empty(max_new_tokens, b, logits.shape[-1], dtype=torch.float32, device=dec.device)
+        logits_buf[0] = logits
     tok = logits.argmax(-1, keepdim=True)
-    out[:, prompt : prompt + 1] = tok
+    chosen[:, :1] = tok
     sync()
     t1 = time.perf_counter()
-    tok_buf = tok.clone()
+    tok_buf = (tok if forced is None else forced[:, :1]).clone()
     pos_buf = torch.full((1,), prompt, device=dec.device, dtype=torch.long)
 
     def step() -> None:
-        nxt = dec.forward(tok_buf, pos_buf).argmax(-1, keepdim=True)
-        tok_buf.copy_(nxt)
+        step_logits = dec.forward(tok_buf, pos_buf)
+        nxt = step_logits.argmax(-1, keepdim=True)
+        j = pos_buf - (prompt - 1)  # index of this token among the new ones (0 came from the prompt)
+        chosen.index_copy_(1, j, nxt)
+        if logits_buf is not None:
+            logits_buf.index_copy_(0, j, step_logits[None].float())
+        tok_buf.copy_(nxt if forced is None else forced.index_select(1, j))
         pos_buf.add_(1)
 
     capture_s = 0.0
@@ -185,12 +203,17 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 32
         sync()
         capture_s = time.perf_counter() - tc
         t1 += capture_s
-    for j in range(1, max_new_tokens):
+    for _ in range(1, max_new_tokens):
         run()
-        out[:, prompt + j : prompt + j + 1] = tok_buf
     sync()
     t2 = time.perf_counter()
+    out = torch.cat([ids, chosen], 1)
     stats = GenerateStats(t1 - t0 - capture_s, t2 - t1, max_new_tokens, capture_s, use_graph)
     logger.info("mirage-serve generate: %d tokens, %.2f ms/token (cuda graph: %s, capture %.2f s)", max_new_tokens,
                 stats.ms_per_token, use_graph, capture_s)
-    return (out, stats) if return_stats else out
+    result: tuple = (out,)
+    if return_logits:
+        result += (logits_buf.transpose(0, 1),)
+    if return_stats:
+        result += (stats,)
+    return result[0] if len(result) == 1 else result

@@ -46,3 +46,27 @@ def test_static_decode_runs_the_attention_kernel_of_the_kv_bucket(tmp_path):
     assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, pad_token_id=0), want)
     (by_len,) = report.kernel_lengths().values()
     assert sorted(by_len) == list(range(7, 38))  # transformers' cache: the real length, 7..37, through the same kernel
+
+
+def test_teacher_forced_decode_scores_a_given_continuation(tmp_path):
+    """forced_tokens: every position sees the given context, so the choices and logits are those of one
+    full forward over prompt + continuation; forcing the model's own greedy tokens reproduces them."""
+    model, _ = tiny_model("llama", tmp_path)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    free, free_logits = generate(model, ids, 12, return_logits=True)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    want = model.generate(ids, **kw)
+    assert torch.equal(free, want.sequences)
+    assert torch.allclose(free_logits, torch.stack(want.logits, 1), rtol=1e-4, atol=1e-5)
+    same, same_logits = generate(model, ids, 12, forced_tokens=free[:, 5:], return_logits=True)
+    assert torch.equal(same, free) and torch.allclose(same_logits, free_logits, rtol=1e-5, atol=1e-6)
+    other = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    got, got_logits = generate(model, ids, 12, forced_tokens=other, return_logits=True)
+    with torch.no_grad():
+        full = model(torch.cat([ids, other], 1)).logits[:, 4:-1]  # logits predicting new token i
+    assert torch.allclose(got_logits, full, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[:, 5:], full.argmax(-1))
+    assert not torch.equal(got, free)
+    with pytest.raises(ValueError, match="forced_tokens"):
+        generate(model, ids, 12, forced_tokens=other[:, :3])
