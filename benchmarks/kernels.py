@@ -80,7 +80,7 @@ def all_cases() -> list[Case]:
         for b in (1, 8, 32):
             cases.append(Case("rmsnorm_linear", {"batch": b, "hidden": HIDDEN, "out": out}, f"rmsnorm_{name}_b{b}", max_autotune=out == QKV_OUT))
     for b in (1, 8):
-        for kv in (1024, 8192, 32768):
+        for kv in (1024, 4096, 8192, 32768) if b == 1 else (1024, 8192, 32768):
             cases.append(Case("attention_decode", {"batch": b, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "kv_len": kv},
                               f"attn_b{b}_kv{kv // 1024}k"))
     for b, r in ((1, 16), (8, 16), (1, 64), (8, 64), (32, 64)):

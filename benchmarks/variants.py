@@ -2,9 +2,9 @@
 
 These are *not* search results: they are the hand-written fused μGraphs of
 ``tests/handwritten.py`` (imported by path) instantiated over grid sizes and
-loop ranges, plus a few schedules written here (split-K RMSNorm→Linear with a
-combine kernel, a two-kernel LoRA, split-KV attention whose combine also splits
-the head dim), all built with the μGraph builders, i.e. forms the search can
+loop ranges (split-KV attention also over the combine's head-dim split), plus
+two schedules written here (split-K RMSNorm→Linear with a combine kernel, a
+two-kernel LoRA), all built with the μGraph builders, i.e. forms the search can
 express. One rule per spec derives them from the shapes (never from a case
 label); codegen parameters are not chosen here: :func:`mirage_serve.tune.search.tune`
 searches them on the GPU for every candidate, float-checking each point.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import math
 import sys
 from pathlib import Path
 
@@ -92,36 +91,6 @@ def two_kernel_lora(batch: int, k: int, n: int, rank: int, n_blocks: int, loop: 
     return g.build([y])
 
 
-def split_kv_attention_ds(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, splits: int, loop: int,
-                          d_split: int, dtype: str = "float32") -> KernelGraph:
-    """Flash-decoding as ``tests/handwritten.split_kv_attention`` but the combine kernel also splits
-    the head dim over ``d_split`` programs per KV head (more, smaller programs reading the partials)."""
-    group, bk = q_heads // kv_heads, batch * kv_heads
-    g = GraphBuilder()
-    q = g.input("Q", (bk, group, head_dim), dtype)
-    k = g.input("K", (bk, kv_len, head_dim), dtype)
-    v = g.input("V", (bk, kv_len, head_dim), dtype)
-    b = BlockBuilder((bk, splits), loop)
-    tq, tk, tv = b.input(0, (0, -1), -1), b.input(1, (0, 1), 1), b.input(2, (0, 1), 1)
-    s = b.unary("mul_scalar", b.matmul(tq, tk, trans_b=True), scalar=1.0 / math.sqrt(head_dim))
-    m = b.accum("max_last", s)
-    p = b.unary("exp", b.binary("sub", s, m))
-    lsum = b.accum("rescaled_sum_last", p, m)
-    o = b.accum("rescaled_sum", b.matmul(p, tv), m)
-    for t in (m, lsum, o):
-        b.output(t, (0, -1))
-    pm, pl, po = g.customized([q, k, v], b.build())  # [splits, bk, group, 1|d]
-    c = BlockBuilder((bk, d_split), 1)
-    cm, cl, co = c.input(0, (1, -1), -1), c.input(1, (1, -1), -1), c.input(2, (1, 3), -1)
-    mx = c.reduce("max", cm, 0)
-    f = c.unary("exp", c.binary("sub", cm, mx))
-    num = c.reduce("sum", c.binary("mul", co, f), 0, keepdim=False)
-    den = c.reduce("sum", c.binary("mul", cl, f), 0, keepdim=False)
-    c.output(c.binary("div", num, den), (0, 2))
-    (out,) = g.customized([pm, pl, po], c.build())
-    return g.build([out])
-
-
 # ---------------------------------------------------------------- candidates per spec
 
 
@@ -139,14 +108,17 @@ def _combine_blocks(out: int, n_blocks: int) -> int:
 
 def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps: float = 1e-6) -> list[Candidate]:
     """One kernel over the whole K (few columns a program, long K chunks for one row: GEMV-shaped;
-    wider column tiles, shorter chunks for tile matmuls), and split-K partials with a combine kernel."""
+    32-128 columns, shorter chunks for tile matmuls: the weight tile is the MMA's M side, 16 columns
+    lost at every batch >= 8 of the 2026-12-03 run), and split-K partials with a combine kernel."""
     cs: list[Candidate] = []
     gemv = batch == 1
-    for c, kc in itertools.product((4, 8, 16) if gemv else (16, 32, 64, 128), (512, 1024) if gemv else (128, 256)):
-        if _divides(out, c) and _divides(hidden, kc) and (c, kc) != (128, 256):
+    tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128))
+    for c, kc in tiles:
+        if _divides(out, c) and _divides(hidden, kc):
             cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, eps=eps, dtype=dtype),
                                 "one kernel, whole K a program"))
-    for c, s, kc in ((64, 4, 256), (64, 8, 256)) if gemv else ((64, 4, 256), (64, 8, 256), (128, 2, 256), (128, 4, 256), (128, 4, 128)):
+    splits = ((64, 4, 256), (64, 8, 256)) if gemv else ((32, 2, 256), (64, 2, 256), (64, 4, 256), (128, 2, 256), (128, 4, 128))
+    for c, s, kc in splits:
         kc = min(kc, hidden // s)
         if _divides(out, c) and _divides(hidden, s * kc):
             nb = out // c
@@ -160,30 +132,38 @@ ATTENTION_VARIABLE_DIMS = ((1, 1), (2, 1))  # K and V: the KV length may be any 
 
 
 def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str) -> list[Candidate]:
-    """Flash-decoding split-KV schedules with 64-1024 programs, 64 or 128 keys an iteration (32 where a
-    split has at most 128), the combine over head-dim quarters (4 programs a KV head; faster than one
-    at every shape of the 2026-12-03 H200 run); every one serves any KV length up to ``kv_len``."""
+    """Flash-decoding split-KV schedules with 64-1024 programs, 32, 64 or 128 keys an iteration, the
+    combine over head-dim quarters (4 programs a KV head; faster than one at every shape of the
+    2026-12-03 H200 run) and, where that leaves it fewer than 64 programs, also eighths; every one
+    serves any KV length up to ``kv_len``."""
     bk = batch * kv_heads
     cs: list[Candidate] = []
+    d_splits = sorted({4, 8} if bk * 4 < 64 and head_dim % 8 == 0 else {4})
     for splits in (2, 4, 8, 16, 32, 64, 128):
         per = kv_len // splits
         if not (64 <= bk * splits <= 1024) or kv_len % splits or per < 32 or (per < 256 and bk * splits < 128 and kv_len > 2048):
             continue
         for keys in (32, 64, 128):
-            if per % keys or head_dim % 4 or (keys == 32 and per > 128):
+            if per % keys or head_dim % 4 or (keys == 32 and per > 256):
                 continue
-            g = split_kv_attention_ds(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, 4, dtype=dtype)
-            cs.append(Candidate(f"splitkv s{splits} t{keys} cd4", g, "split-KV online softmax + combine over head-dim quarters",
-                                ATTENTION_VARIABLE_DIMS))
+            for ds in d_splits:
+                g = hw.split_kv_attention(batch, q_heads, kv_heads, head_dim, kv_len, splits, per // keys, dtype=dtype, d_split=ds)
+                cs.append(Candidate(f"splitkv s{splits} t{keys} cd{ds}", g, f"split-KV online softmax + combine over head-dim 1/{ds}s",
+                                    ATTENTION_VARIABLE_DIMS))
     return cs
 
 
 def lora_candidates(batch: int, k: int, n: int, rank: int, dtype: str) -> list[Candidate]:
+    """One kernel (X A^T accumulated in the main loop, A re-read by every program), and two kernels
+    (split-K X A^T first; the GEMV over W streams while it runs and adds s (X A^T) B^T after its loop);
+    K chunks of 1024 next to 512 where one row is GEMV-shaped."""
     cs: list[Candidate] = []
-    for c in (8, 16, 32):
-        if _divides(n, c) and _divides(k, 512):
-            cs.append(Candidate(f"fused c{c} k512", hw.fused_lora(batch, k, n, rank, n // c, k // 512, dtype=dtype), "one kernel, A re-read per block"))
-            cs.append(Candidate(f"2kernel c{c} k512", two_kernel_lora(batch, k, n, rank, n // c, k // 512, 16, k // (16 * 256), dtype=dtype),
+    chunks = (512, 1024) if batch == 1 else (512,)
+    for c, kc in itertools.product((8, 16, 32), chunks):
+        if _divides(n, c) and _divides(k, kc) and _divides(k, 16 * 256):
+            if kc == 512:
+                cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_lora(batch, k, n, rank, n // c, k // kc, dtype=dtype), "one kernel, A re-read per block"))
+            cs.append(Candidate(f"2kernel c{c} k{kc}", two_kernel_lora(batch, k, n, rank, n // c, k // kc, 16, k // (16 * 256), dtype=dtype),
                                 "split-K X@A^T, then GEMV with low-rank epilogue"))
     return cs
 

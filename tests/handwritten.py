@@ -21,9 +21,11 @@ def fused_rmsnorm_linear(batch: int, hidden: int, out: int, n_blocks: int, loop:
     return g.build([yk])
 
 
-def split_kv_attention(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, splits: int, loop: int, dtype: str = "float32") -> KernelGraph:
+def split_kv_attention(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, splits: int, loop: int, dtype: str = "float32",
+                       d_split: int = 1) -> KernelGraph:
     """Flash-decoding: kernel 1 splits the KV length over the grid with an online softmax;
-    kernel 2 rescales the partial results by their maxima and combines them."""
+    kernel 2 rescales the partial results by their maxima and combines them (``d_split`` > 1: its
+    grid also splits the head dim, so more, smaller programs read the partials)."""
     group, bk = q_heads // kv_heads, batch * kv_heads
     g = GraphBuilder()
     q = g.input("Q", (bk, group, head_dim), dtype)
@@ -39,13 +41,14 @@ def split_kv_attention(batch: int, q_heads: int, kv_heads: int, head_dim: int, k
     for t in (m, lsum, o):
         b.output(t, (0, -1))
     pm, pl, po = g.customized([q, k, v], b.build())  # [splits, bk, group, 1|d]
-    c = BlockBuilder((bk,), 1)
-    cm, cl, co = c.input(0, (1,), -1), c.input(1, (1,), -1), c.input(2, (1,), -1)
+    ds = d_split > 1
+    c = BlockBuilder((bk, d_split) if ds else (bk,), 1)
+    cm, cl, co = c.input(0, (1, -1) if ds else (1,), -1), c.input(1, (1, -1) if ds else (1,), -1), c.input(2, (1, 3) if ds else (1,), -1)
     mx = c.reduce("max", cm, 0)
     f = c.unary("exp", c.binary("sub", cm, mx))
     num = c.reduce("sum", c.binary("mul", co, f), 0, keepdim=False)
     den = c.reduce("sum", c.binary("mul", cl, f), 0, keepdim=False)
-    c.output(c.binary("div", num, den), (0,))
+    c.output(c.binary("div", num, den), (0, 2) if ds else (0,))
     (out,) = g.customized([pm, pl, po], c.build())
     return g.build([out])
 

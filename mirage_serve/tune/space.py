@@ -13,8 +13,8 @@ follows from a few features of the graph, never from the benchmark case:
   tile as the MMA's M side) next to ``fma``. The profile decides.
 * **launch overlap.** Graphs of more than one kernel start with programmatic
   dependent launch on (``pdl=1``); the neighbours turn it off.
-* **neighbours** of a (graph, params) point change one knob each: warps 4↔8,
-  software-pipelining depth, programmatic dependent launch for graphs of more
+* **neighbours** of a (graph, params) point change one knob each: warps 2↔4↔8,
+  software-pipelining depth (2-5 stages), programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
   into chunks. :func:`mirage_serve.tune.search.tune` walks them from the best
   points of a first round.
@@ -86,10 +86,12 @@ def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any
         if q != {k: v for k, v in p.items() if not (k in _DEFAULTS and v == _DEFAULTS[k])} and q not in out:
             out.append(q)
 
-    with_(num_warps=8 if p.get("num_warps", 4) == 4 else 4)
+    w = p.get("num_warps", 4)
+    for nw in {2: (4,), 4: (2, 8), 8: (4,)}.get(w, (4,)):
+        with_(num_warps=nw)
     if f["max_loop"] > 1:
         st = p.get("num_stages", 2)
-        for s in (2, 3, 4):
+        for s in (2, 3, 4, 5):
             if s != st:
                 with_(num_stages=s)
     if f["kernels"] > 1:
