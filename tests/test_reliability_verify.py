@@ -29,7 +29,11 @@ def _graph(shapes, body, dtype="float32"):
 
 
 def _rejected_for_every_seed(cand, spec):
+    """Rejected by the finite-field trials alone (not only by the float check, which would hide a
+    weakened field guard) and by the whole verifier, for every seed."""
     for seed in SEEDS:
+        field = field_check(cand, spec, seed=seed)
+        assert field.verdict == "not_equivalent", (seed, field.reason)
         cert = verify_equivalent(cand, spec, seed=seed)
         assert cert.verdict == "not_equivalent", (seed, cert.reason)
     return cert
@@ -161,3 +165,19 @@ def test_candidate_that_overflows_where_the_spec_does_not():
     x = 2 * torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(execute(spec, [x], dtype=torch.float32)[0]).all() and not torch.isfinite(execute(cand, [x], dtype=torch.float32)[0]).all()
     assert verify_equivalent(cand, spec).verdict != "equivalent"
+
+
+def test_a_shift_by_the_max_that_does_not_cancel_is_not_accepted():
+    # exp(x - max x) equals exp(x) wherever max x = 0 (e.g. rows whose largest entry is 0), so a model
+    # in which max returns a fixed value would accept it; it lacks the normalisation that cancels the shift
+    s = [(4, 16)]
+    spec = _graph(s, lambda g, x: g.unary("exp", x))
+    cand = _graph(s, lambda g, x: g.unary("exp", g.binary("sub", x, g.reduce("max", x, -1))))
+    x = torch.randn(4, 16, dtype=torch.float64)
+    x = x - x.amax(-1, keepdim=True)
+    assert torch.allclose(execute(cand, [x])[0], execute(spec, [x])[0])
+    for seed in SEEDS:
+        field = field_check(cand, spec, seed=seed)
+        assert field.verdict != "equivalent", (seed, field.reason)
+        cert = verify_equivalent(cand, spec, seed=seed)
+        assert cert.verdict == "not_equivalent", (seed, cert.reason)
