@@ -425,6 +425,9 @@ def run(args: argparse.Namespace) -> int:
                     del f_logits
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                partial = {"rows": rows, "cache_entries": cache_rows, "token_agreement": agreement, "misses": report.misses if report else {}}
+                (out_dir / f"{datetime.date.today().isoformat()}-{args.tag}.partial.json").write_text(json.dumps(partial, indent=1))
+    (out_dir / f"{datetime.date.today().isoformat()}-{args.tag}.partial.json").unlink(missing_ok=True)
     specs_by_entry = {r["entry_id"]: r for r in cache_rows if r.get("entry_id")}
     result = {
         "benchmark": "e2e",
