@@ -156,13 +156,36 @@ def test_spot_check_disables_a_wrong_kernel(backend, monkeypatch, caplog):
     assert good(ins) is not None and good(_inputs(6)) is not None and good.disabled is None and good.calls == 2
 
 
-@pytest.mark.xfail(strict=True, reason="integrations/kernels.py CachedKernel._spot_check measures a norm of the difference, which is NaN "
-                   "when the first call's inputs hold a NaN: a correct kernel is disabled for the rest of the process")
 def test_spot_check_on_nan_inputs_keeps_a_correct_kernel(monkeypatch):
     monkeypatch.setenv("MIRAGE_SERVE_CHECK", "1")
     kernel = _rmsnorm_kernel("reference")
     assert kernel(_poisoned()) is not None
     assert kernel.disabled is None
+
+
+@pytest.mark.parametrize("fault", ["NaN turned into zeros", "NaN where the spec is finite", "Inf turned into a number"])
+def test_spot_check_disables_a_kernel_with_the_wrong_nan_or_inf(monkeypatch, fault):
+    monkeypatch.setenv("MIRAGE_SERVE_CHECK", "1")
+    kernel = _rmsnorm_kernel("reference")
+    real_run = kernel._run
+
+    def faulty(inputs, lengths=None):
+        (out,) = real_run(inputs, lengths)
+        out = out.clone()
+        if fault == "NaN turned into zeros":
+            out = torch.nan_to_num(out, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        elif fault == "NaN where the spec is finite":
+            out[0, 0] = float("nan")
+        else:
+            out[torch.isinf(out)] = 1.0
+        return [out]
+
+    monkeypatch.setattr(kernel, "_run", faulty)
+    ins = _inputs(0) if fault == "NaN where the spec is finite" else _poisoned()
+    want = execute(kernel.spec, [x.double() for x in ins])[0]
+    assert torch.isfinite(want).all() if fault == "NaN where the spec is finite" else (torch.isnan(want).any() and torch.isinf(want).any())
+    assert kernel(ins) is None
+    assert kernel.disabled and "NaN/Inf" in kernel.disabled
 
 
 # -- memory -----------------------------------------------------------------------------------------
