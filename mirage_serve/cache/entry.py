@@ -104,6 +104,10 @@ def parse_entry_json(data: bytes) -> Any:
         raise EntryRejected(f"JSON nested deeper than {MAX_ENTRY_DEPTH} levels") from None
     except json.JSONDecodeError as e:
         raise EntryRejected(f"not valid JSON (truncated or corrupt): {e}") from None
+    except EntryRejected:
+        raise
+    except ValueError as e:  # e.g. an integer literal over Python's digit limit
+        raise EntryRejected(f"JSON with a value that cannot be read: {str(e)[:200]}") from None
     if json_depth(obj, MAX_ENTRY_DEPTH) > MAX_ENTRY_DEPTH:
         raise EntryRejected(f"JSON nested deeper than {MAX_ENTRY_DEPTH} levels")
     return obj
