@@ -218,9 +218,13 @@ def build_spec(name: str, dims: dict[str, int] | None = None, dtype: str | None 
     missing = [p for p in spec.params if p not in full]
     if missing:
         raise MuGraphError(f"spec {name!r} needs dim(s) {missing} (e.g. --dims {','.join(f'{p}=N' for p in spec.params)})")
+    from mirage_serve.cache.keys import MAX_DIM
+
     for k, v in full.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise MuGraphError(f"spec {name!r}: dim {k}={v!r} must be a positive integer")
+        if v > MAX_DIM:
+            raise MuGraphError(f"spec {name!r}: dim {k}={v} is over {MAX_DIM} (2^24), the largest dim a kernel cache key holds")
     kwargs = dict(full, **options)
     if dtype is not None:
         kwargs["dtype"] = dtype
