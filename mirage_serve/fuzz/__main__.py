@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, default=None, help="write the counts and findings as JSON here")
     p.add_argument("--minimise-s", type=float, default=60.0, help="seconds spent minimising one finding")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--summarise", type=Path, nargs="+", metavar="REPORT", help="print the tables of --report files (added up) and exit")
     args = p.parse_args(argv)
+    if args.summarise:
+        return summarise(args.summarise)
     if args.minutes is None and args.cases is None:
         p.error("give --minutes or --cases")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
@@ -43,6 +46,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         args.report.write_text(json.dumps(report.to_obj(), indent=1, sort_keys=True, default=str) + "\n")
     return 1 if report.findings else 0
+
+
+def summarise(paths: list[Path]) -> int:
+    """One row per run, then the added-up tables of :func:`~mirage_serve.fuzz.runner.format_report`."""
+    from mirage_serve.fuzz.runner import FuzzReport, format_report, merge_reports
+
+    reports = [FuzzReport.from_obj(json.loads(p.read_text())) for p in paths]
+    print("| report | seed | cases | graphs | faults injected | findings | wall (min) | graphs/min |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p, r in zip(paths, reports, strict=True):
+        n = sum(r.graphs.values())
+        print(f"| {p.name} | {r.config.get('seed')} | {sum(r.cases.values())} | {n} | {r.faults} | {len(r.findings)} | "
+              f"{r.elapsed_s / 60:.1f} | {n / max(r.elapsed_s / 60, 1e-9):.0f} |")
+    print()
+    print(format_report(merge_reports(reports)))
+    return 0
 
 
 if __name__ == "__main__":

@@ -83,6 +83,29 @@ class FuzzReport:
         }
 
 
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> FuzzReport:
+        """A report read back from :meth:`to_obj`'s JSON."""
+        r = cls(obj["config"], Counter(obj["cases"]), Counter(obj["graphs"]),
+                Counter({tuple(k.split(" | ")): v for k, v in obj["outcomes"].items()}), obj["faults_injected"],
+                list(obj["findings"]), Counter(obj["explained"]), obj["elapsed_s"], Counter(obj["generator_errors"]), list(obj["crashes"]))
+        return r
+
+
+def merge_reports(reports: list[FuzzReport]) -> FuzzReport:
+    """The counts of several runs added up (findings and crashes listed together)."""
+    out = FuzzReport({"runs": [r.config for r in reports]})
+    for r in reports:
+        for mine, theirs in ((out.cases, r.cases), (out.graphs, r.graphs), (out.outcomes, r.outcomes),
+                             (out.explained, r.explained), (out.errors, r.errors)):
+            mine.update(theirs)
+        out.faults += r.faults
+        out.findings += r.findings
+        out.crashes += r.crashes
+        out.elapsed_s += r.elapsed_s
+    return out
+
+
 def case_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"fuzz:{seed}:{index}".encode()).digest()[:6], "little")
 

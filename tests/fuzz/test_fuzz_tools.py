@@ -147,3 +147,24 @@ def test_one_case_of_each_kind_runs(kind):
     for i in range(3):
         f.case(i)
     assert f.report.cases[kind] == 3 and not f.report.crashes
+
+
+def test_reports_read_back_and_add_up(tmp_path, capsys):
+    import json
+
+    from mirage_serve.fuzz.__main__ import summarise
+    from mirage_serve.fuzz.runner import FuzzConfig, FuzzReport, format_report, merge_reports, run_fuzz
+
+    reports = [run_fuzz(FuzzConfig(seed=s, max_cases=4, codegen=False)) for s in (3, 4)]
+    back = [FuzzReport.from_obj(json.loads(json.dumps(r.to_obj(), default=str))) for r in reports]
+    assert [format_report(b) for b in back] == [format_report(r) for r in reports]
+    total = merge_reports(back)
+    assert sum(total.cases.values()) == 8 and total.graphs == reports[0].graphs + reports[1].graphs
+    assert total.outcomes == reports[0].outcomes + reports[1].outcomes and total.faults == reports[0].faults + reports[1].faults
+    paths = []
+    for i, r in enumerate(reports):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r.to_obj(), default=str))
+    assert summarise(paths) == 0
+    out = capsys.readouterr().out
+    assert "| r0.json | 3 | 4 |" in out and f"8 cases, {sum(total.graphs.values())} graphs" in out
