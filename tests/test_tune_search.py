@@ -88,3 +88,37 @@ def test_spilling_points_are_timed_only_without_a_spill_free_one(monkeypatch):
     res = search.tune([c], spec=None, device="cpu", top=0, precompiled=[t_spill, t_ok])
     assert calls == [{"matmul": "dot", "dot_precision": "input"}]
     assert "spills 512 bytes" in next(t for t in res.trials if t is t_spill).result["skipped"]
+
+
+def test_precompiler_compiles_again_what_a_broken_pool_took_down(monkeypatch):
+    """A worker that exits (a point before it broke its CUDA context) fails every point in flight;
+    those are compiled again in a new pool, and a point that breaks every pool fails at last."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    c = search.Candidate("c", fused_rmsnorm_linear(8, 1024, 512, 16, 4, dtype="bfloat16"))
+    trials = [search.Trial(c, {"num_warps": w}, 1) for w in (2, 4, 8)]
+    pools = []
+
+    class FakePool:
+        def __init__(self):
+            self.n = len(pools)
+
+        def submit(self, fn, graph_json, params, variable_dims, device):
+            f = Future()
+            if params["num_warps"] == 8 or (self.n == 0 and params["num_warps"] == 4):
+                f.set_exception(BrokenProcessPool("a worker died"))
+            else:
+                f.set_result({"ok": True, "spills": 0, "pool": self.n})
+            return f
+
+        def shutdown(self, **kw):
+            pass
+
+    pre = search.Precompiler(4, device="cpu")
+    monkeypatch.setattr(pre, "_get", lambda: pre._pool or pools.append(FakePool()) or setattr(pre, "_pool", pools[-1]) or pre._pool)
+    pre.compile(trials)
+    assert trials[0].compile == {"ok": True, "spills": 0, "pool": 0}
+    assert trials[1].compile == {"ok": True, "spills": 0, "pool": 1}  # taken down once, compiled again
+    assert not trials[2].compile["ok"] and f"failed {search.Precompiler.RETRIES + 1} times" in trials[2].compile["error"]
+    assert len(pools) == search.Precompiler.RETRIES + 1

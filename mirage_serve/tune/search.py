@@ -71,14 +71,35 @@ def _worker_init() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
+_CONTEXT_BROKEN = False  # in a worker: a point broke this process's CUDA context (e.g. an illegal access)
+
+
+def _context_broken(device: str) -> bool:
+    import torch
+
+    if not str(device).startswith("cuda"):
+        return False
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:  # an illegal access poisons the context for good
+        return True
+
+
 def _compile_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, device: str) -> dict[str, Any]:
-    """In a worker: generate, compile (filling Triton's on-disk cache) and run once on random inputs."""
+    """In a worker: generate, compile (filling Triton's on-disk cache) and run once on random inputs.
+
+    A point that breaks the worker's CUDA context reports its error; the worker then exits at its
+    next point, so that point is not blamed (the pool is replaced and it is compiled again)."""
+    global _CONTEXT_BROKEN
     import torch
 
     from mirage_serve.codegen import compile_graph
     from mirage_serve.mugraph.serialize import from_json
     from mirage_serve.tune.profile import make_params, random_device_inputs
 
+    if _CONTEXT_BROKEN:
+        os._exit(3)
     t0 = time.perf_counter()
     try:
         graph = from_json(graph_json)
@@ -95,6 +116,7 @@ def _compile_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, 
         return {"ok": True, "compile_s": round(time.perf_counter() - t0, 2), "kernels": stats,
                 "spills": sum(s.get("spills") or 0 for s in stats)}
     except Exception as e:  # reported to the tuner, which skips the point
+        _CONTEXT_BROKEN = _context_broken(device)
         return {"ok": False, "compile_s": round(time.perf_counter() - t0, 2), "error": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
@@ -153,8 +175,14 @@ class Precompiler:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
         return self._pool
 
+    #: times a point is submitted again after the pool broke under it before it counts as failed
+    RETRIES = 8
+
     def compile(self, trials: Sequence[Trial]) -> None:
-        """Fill each trial's ``compile`` field; returns when all are done."""
+        """Fill each trial's ``compile`` field; returns when all are done.
+
+        When a worker dies (a point before broke its CUDA context, or it crashed), the pool is
+        replaced and the points it took down are compiled again, up to :data:`RETRIES` times."""
         from mirage_serve.mugraph.serialize import to_json
 
         if not trials:
@@ -163,15 +191,24 @@ class Precompiler:
             for t in trials:
                 t.compile = _compile_one(to_json(t.candidate.graph), t.params, t.candidate.variable_dims, self.device)
             return
-        pool = self._get()
-        futs = [pool.submit(_compile_one, to_json(t.candidate.graph), t.params, t.candidate.variable_dims, self.device) for t in trials]
-        for t, f in zip(trials, futs, strict=True):
-            try:
-                t.compile = f.result()
-            except Exception as e:  # a worker that died (e.g. an illegal access) loses its point only
-                t.compile = {"ok": False, "error": f"worker failed: {type(e).__name__}: {str(e)[:300]}"}
+        pending, tries = list(trials), {id(t): 0 for t in trials}
+        while pending:
+            pool = self._get()
+            futs = [(t, pool.submit(_compile_one, to_json(t.candidate.graph), t.params, t.candidate.variable_dims, self.device)) for t in pending]
+            pending, broken = [], False
+            for t, f in futs:
+                try:
+                    t.compile = f.result()
+                except Exception as e:  # the pool broke: this point is compiled again in a new one
+                    broken = True
+                    tries[id(t)] += 1
+                    if tries[id(t)] > self.RETRIES:
+                        t.compile = {"ok": False, "error": f"worker failed {tries[id(t)]} times: {type(e).__name__}: {str(e)[:300]}"}
+                    else:
+                        pending.append(t)
+            if broken:
+                log.info("compile pool broke; %d point(s) compiled again in a new pool", len(pending))
                 self.close()
-                pool = self._get()
 
     def close(self) -> None:
         if self._pool is not None:
