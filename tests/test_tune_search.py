@@ -21,7 +21,7 @@ def test_initial_params_follow_the_rows_of_the_tile_matmuls():
     b8 = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 32, dtype="bfloat16"))  # 8 x 16 x 128 product fits
     assert b8 == [{"matmul": "fma"}, dot, swapped]
     big = space.initial_params(split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16"))  # 4 x 64 x 128 would spill
-    assert big == [{**dot, "pdl": 1}, {**swapped, "pdl": 1}]  # two kernels: launches overlap
+    assert big == [{**dot, "pdl": 1}]  # two kernels: launches overlap; no swapped MMA into softmax's max
     assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2))[-1] == {"matmul": "dot", "num_stages": 3, "dot_swap": 1}
 
 
@@ -122,3 +122,13 @@ def test_precompiler_compiles_again_what_a_broken_pool_took_down(monkeypatch):
     assert trials[1].compile == {"ok": True, "spills": 0, "pool": 1}  # taken down once, compiled again
     assert not trials[2].compile["ok"] and f"failed {search.Precompiler.RETRIES + 1} times" in trials[2].compile["error"]
     assert len(pools) == search.Precompiler.RETRIES + 1
+
+
+def test_no_swapped_mma_where_a_max_reads_the_dot():
+    att = split_kv_attention(1, 8, 2, 64, 512, splits=4, loop=2, dtype="bfloat16")
+    assert space.graph_features(att)["dot_into_max"]
+    first = space.initial_params(att)
+    assert first and not any(p.get("dot_swap") for p in first)
+    assert not any(q.get("dot_swap") for p in first for q in space.neighbours(att, p))
+    lin = fused_rmsnorm_linear(8, 64, 32, 2, 2, dtype="bfloat16")
+    assert not space.graph_features(lin)["dot_into_max"] and any(p.get("dot_swap") for p in space.initial_params(lin))

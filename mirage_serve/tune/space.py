@@ -11,6 +11,10 @@ follows from a few features of the graph, never from the benchmark case:
   orientations, and ``fma`` next to it while its 3-D broadcast product fits in
   registers (:data:`FMA_MAX_PRODUCT`); for one row, the swapped dot (the weight
   tile as the MMA's M side) next to ``fma``. The profile decides.
+* **no swapped MMA into a max.** Where a max (softmax's running max) reads a tile matmul's
+  result, the swapped orientation is not tried: with the NaN-propagating max reductions, Triton
+  3.6 compiled such kernels into illegal memory accesses and wrong results on the H200
+  (2026-12-03; the same kernels in the plain orientation, and with ``tl.max`` before, were right).
 * **launch overlap.** Graphs of more than one kernel start with programmatic
   dependent launch on (``pdl=1``); the neighbours turn it off.
 * **neighbours** of a (graph, params) point change one knob each: warps 2↔4↔8,
@@ -50,7 +54,22 @@ def graph_features(graph: KernelGraph) -> dict[str, Any]:
                 rows = max(rows, m)
                 prod = max(prod, m * n * k)
     low = any(info[t].dtype in ("bfloat16", "float16") for t in graph.input_ids)
-    return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low}
+    return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low,
+            "dot_into_max": any(_dot_into_max(op.block) for op in graph.ops if op.kind == "customized")}
+
+
+def _dot_into_max(block) -> bool:
+    """Whether a max (a max reduction or running-max accumulator) reads a tile matmul's result, directly or through other ops."""
+    n_in = len(block.inputs)
+    from_mm: set[int] = set()
+    for j, op in enumerate(block.ops):
+        t = n_in + j
+        if op.kind == "matmul" or any(x in from_mm for x in op.inputs):
+            from_mm.add(t)
+            if (op.kind == "reduce" and op.attr("fn") == "max") or (op.kind == "accum" and op.attr("fn") == "max_last"):
+                if op.kind != "matmul":
+                    return True
+    return False
 
 
 #: Elements of a GEMV-style broadcast product (rows x columns x inner) above which fma code
@@ -64,11 +83,11 @@ def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
     dot = dict(DOT_NATIVE) if f["low_precision"] else {"matmul": "dot"}
     if f["max_loop"] > 1:
         dot["num_stages"] = 3
-    swapped = {**dot, "dot_swap": 1}
+    swapped = [{**dot, "dot_swap": 1}] if not f["dot_into_max"] else []
     if f["matmul_rows"] <= 1:  # GEMV-shaped; a dot pads the row to 16, worth it only with the weight as the MMA's M side
-        out = [{"matmul": "fma"}, swapped] if f["low_precision"] else [{"matmul": "fma"}]
+        out = [{"matmul": "fma"}, *swapped] if f["low_precision"] else [{"matmul": "fma"}]
     else:
-        out = ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, swapped]
+        out = ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, *swapped]
     if f["kernels"] > 1:  # overlapping each launch with the kernel before it paid at every multi-kernel point of the 2026-12-03 run
         out = [{**p, "pdl": 1} for p in out]
     return out
@@ -96,7 +115,7 @@ def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any
                 with_(num_stages=s)
     if f["kernels"] > 1:
         with_(pdl=0 if p.get("pdl", 0) else 1)
-    if p.get("matmul") == "dot":
+    if p.get("matmul") == "dot" and (p.get("dot_swap", 0) or not f["dot_into_max"]):
         with_(dot_swap=0 if p.get("dot_swap", 0) else 1)
     if f["max_loop"] >= 1 and p.get("k_chunks", 1) == 1:
         with_(k_chunks=2)
