@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="kernel cache for the patched contenders (default: a fresh temporary one)")
     parser.add_argument("--tuned-from", default=str(DEFAULT_TUNED), help="kernels benchmark JSON with the codegen parameters of the hand-written seeds")
     parser.add_argument("--search-budget", type=float, default=0.0, help="seconds of build-cache search per missing entry before seeding (0: seed at once)")
-    parser.add_argument("--init", default="gpt2", choices=("gpt2", "normal"), help="random weights: see _random_model")
+    parser.add_argument("--init", default="gpt2", choices=("gpt2", "normal", "successor"), help="random weights: see _random_model")
+    parser.add_argument("--fp32-reference", action="store_true", help="also score every bf16 path against a float32 copy of the model")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--out", default=None, help="directory for JSON/markdown/plot (default benchmarks/results or $OUT)")
     parser.add_argument("--tag", default="e2e")
@@ -99,9 +100,15 @@ def _random_model(config: dict, layers: int | None, torch, init: str = "gpt2"):
     (``o_proj``, ``down_proj``) scaled by 1/sqrt(2 * layers), as GPT-2 initialises
     them; the residual stream then grows less from layer to layer, and so do
     rounding differences. Larger weights make greedy decisions more fragile, not
-    less (a scaled-down CPU model: 8.6% of teacher-forced tokens flipped by
-    bf16-ulp noise at std 0.02, 12.5% at 0.05, 17% at 0.1, 5.5% with the GPT-2
-    scaling; benchmarks/NOTES.md)."""
+    less (``benchmarks/e2e_init_noise.py``, on a scaled-down CPU model: 8.6% of
+    positions flipped by bf16-sized noise at std 0.02, 12.5% at 0.05, 17% at 0.1,
+    5.5% with the GPT-2 scaling).
+    ``successor``: ``gpt2`` with the token embeddings scaled by 3 and lm_head's row
+    of token v set to the unit-norm embedding of token perm[v] (a fixed random
+    permutation): every token gets a designated successor whose logit stands far
+    above the rest unless the layers' contributions outweigh it, so logits are not
+    near-ties; the share of positions where the layers change the greedy choice
+    is measured in each run (``layers_change_argmax``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rest = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version", "auto_map")}
@@ -112,13 +119,21 @@ def _random_model(config: dict, layers: int | None, torch, init: str = "gpt2"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    resid = (2 * cfg.num_hidden_layers) ** -0.5 if init == "gpt2" else 1.0
+    resid = (2 * cfg.num_hidden_layers) ** -0.5 if init in ("gpt2", "successor") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.8, 1.2, generator=gen)
             else:
                 p.normal_(0.0, 0.02 * (resid if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0), generator=gen)
+        if init == "successor":
+            emb = model.model.embed_tokens.weight
+            if model.lm_head.weight.data_ptr() == emb.data_ptr():
+                raise ValueError("--init successor needs an lm_head that is not tied to the embeddings")
+            emb.mul_(3.0)
+            perm = torch.randperm(emb.shape[0], device="cuda", generator=gen)
+            rows = emb[perm].float()
+            model.lm_head.weight.copy_(rows / rows.norm(dim=-1, keepdim=True))
         rotary = type(model.model.rotary_emb)(model.config)  # inv_freq is a non-persistent buffer: rebuild it
         model.model.rotary_emb = rotary.to("cuda")
     return model.eval()
@@ -198,6 +213,13 @@ def forced_agreement(ref_tokens, ref_logits, choices, logits=None) -> dict:
         out["logit_rel_error_median"] = float(rel.median())
         out["logit_rel_error_max"] = float(rel.max())
     return out
+
+
+def _vs_fp32(logits32, logits) -> dict:
+    """Logit relative error per position against the float32 model's, and how many greedy choices agree."""
+    rel = (logits.float() - logits32).norm(dim=-1) / logits32.norm(dim=-1)
+    eq = logits.argmax(-1) == logits32.argmax(-1)
+    return {"logit_rel_error_median": float(rel.median()), "logit_rel_error_max": float(rel.max()), "argmax_equal": int(eq.sum()), "of": int(eq.numel())}
 
 
 # ---- the kernel cache -----------------------------------------------------------------
@@ -369,6 +391,15 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"batch": b, "contender": "floor", "ms_per_token": floor})
     agreement: dict[str, dict] = {}
     reference: dict[int, tuple] = {}  # batch -> unpatched static decoder's (tokens, logits)
+    layers_change: dict[int, float] = {}  # batch -> share of reference positions where the layers change the greedy choice
+    accuracy: dict[str, dict] = {}  # against the float32 model, on the reference sequence
+    logits32: dict[int, object] = {}
+    fp32 = None
+    if args.fp32_reference and patched:
+        import copy
+
+        fp32 = copy.deepcopy(model).float()
+        fp32.set_attn_implementation("sdpa")
     report = None
     calls_at_capture: dict[str, dict[str, int]] = {}
     stock = [c for c in contenders if not c.startswith("patched")]
@@ -382,7 +413,19 @@ def run(args: argparse.Namespace) -> int:
                 with torch.no_grad():
                     full = model(ref[:, :-1]).logits[:, args.prompt - 1:].float()
                 agreement[f"b{b}_hf_sdpa_forward_forced_vs_static"] = forced_agreement(ref[:, args.prompt:], ref_logits, full.argmax(-1), full)
+                with torch.no_grad():  # the greedy choice without the layers: norm(embedding) through lm_head
+                    inner = model.model
+                    bare = model.lm_head(inner.norm(inner.embed_tokens(ref[:, args.prompt - 1:-1]))).argmax(-1)
+                layers_change[b] = float((bare != ref[:, args.prompt:]).float().mean())
+                if fp32 is not None:
+                    with torch.no_grad():
+                        logits32[b] = fp32(ref[:, :-1]).logits[:, args.prompt - 1:].float()
+                    accuracy[f"b{b}"] = {"hf_sdpa_bf16_forward": _vs_fp32(logits32[b], full), "static_bf16_unpatched": _vs_fp32(logits32[b], ref_logits)}
                 del full
+            if fp32 is not None:
+                del fp32
+                fp32 = None
+                torch.cuda.empty_cache()
             report = patch_model(model, cache_dir, kv_buckets=(kv_len,))
             print(report.summary(), flush=True)
         for b in batches:
@@ -417,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
                     free = free_running_agreement(ref_tokens, ref_logits, new_tokens)
                     choices, f_logits = generate(model, ids, args.new, cuda_graph=True, forced_tokens=ref_tokens, return_logits=True)
                     forced = forced_agreement(ref_tokens, ref_logits, choices[:, args.prompt:], f_logits)
+                    if b in logits32:
+                        accuracy[f"b{b}"]["patched_graph_bf16"] = _vs_fp32(logits32[b], f_logits)
                     agreement[f"b{b}_patched_graph_free_vs_static"] = free
                     agreement[f"b{b}_patched_graph_forced_vs_static"] = forced
                     row["free_running_equal"] = f"{free['equal']}/{free['of']}"
@@ -446,6 +491,8 @@ def run(args: argparse.Namespace) -> int:
         "patch_summary": report.summary() if report else None,
         "not_patched": [r.to_dict() for r in report.skipped] if report else [],
         "token_agreement": agreement,
+        "layers_change_argmax": {f"b{b}": v for b, v in layers_change.items()},
+        "accuracy_vs_fp32": accuracy,
         "rows": rows,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
@@ -474,6 +521,16 @@ def run(args: argparse.Namespace) -> int:
             firsts = [(s["leading_equal"], round(s.get("ref_margin_over_std", float("nan")), 4)) for s in a["per_sequence"]]
             extra = f", (first difference, reference margin there in std) per sequence {firsts}"
         lines.append(f"- {name}: {a['equal']}/{a['of']} equal{extra}")
+    if accuracy:
+        lines += ["", "Against the float32 model on the reference sequence (teacher-forced, all positions): logit relative error "
+                  "(median / max over positions), greedy choices equal to float32's:", "",
+                  "| batch | path | logit error median | max | argmax = fp32 |", "|---|---|---|---|---|"]
+        for b, paths in accuracy.items():
+            for name, a in paths.items():
+                lines.append(f"| {b[1:]} | {name} | {a['logit_rel_error_median']:.4f} | {a['logit_rel_error_max']:.4f} | {a['argmax_equal']}/{a['of']} |")
+    if layers_change:
+        lines += ["", "Share of reference positions where the layers change the greedy choice (vs norm(embedding) through lm_head): "
+                  + ", ".join(f"batch {b}: {v:.3f}" for b, v in layers_change.items())]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
