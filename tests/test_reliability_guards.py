@@ -265,3 +265,15 @@ def test_repeated_cuda_graph_captures_leak_no_device_memory():
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - before
     assert grown <= 1 << 20, f"device memory grew by {grown} bytes over 50 captures"
+
+
+def test_no_swapped_dot_where_a_max_reads_a_matmul():
+    # with dot_swap=1 in a cache entry's parameters, attention (whose running max reads Q Kᵀ) is still
+    # generated in the plain orientation, which the H200 runs right; other kernels keep the swap
+    from mirage_serve.codegen import CodegenParams, generate_source
+
+    p = CodegenParams(matmul="dot", dot_swap=1, dot_min_rows=1)
+    attention = generate_source(split_kv_attention(2, 4, 2, 16, 64, splits=2, loop=2), p)
+    linear = generate_source(fused_rmsnorm_linear(16, 64, 32, 2, 2), p)
+    assert sum(t.count("tl.dot(") for t in attention) == 2 and not any("tl.trans(tl.dot(" in t for t in attention)
+    assert any("tl.trans(tl.dot(" in t for t in linear)

@@ -222,6 +222,9 @@ class _Gen:
                 continue
             self.dot_ops.add(t)
             self.dot_classes.update((m, k, n))
+        # swapped dots (dot_swap), unless a dot's result reaches a max: Triton 3.6 compiled such kernels
+        # (attention) with the NaN-propagating max into illegal accesses and wrong results on an H200
+        self.swap_dots = set(self.dot_ops) if self.params.dot_swap and not self._dots_into_max() else set()
         prec = self.params.dot_precision
         self.dot_native = prec == "input" and self.low is not None  # tl.dot on the 16-bit operands themselves
         # a tile read only as the transposed operand of dots is loaded as [K, N] directly (unless the
@@ -230,13 +233,25 @@ class _Gen:
         self.raw_loads: set[int] = set()
         for t in range(self.n_in):
             uses = [(self.n_in + j, op) for j, op in enumerate(self.block.ops) if t in op.inputs]
-            if not self.params.dot_swap and uses and all(
-                u in self.dot_ops and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t for u, op in uses
+            if uses and all(
+                u in self.dot_ops and u not in self.swap_dots and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t
+                for u, op in uses
             ):
                 self.load_transposed.add(t)
             src = self.block.inputs[t].source
             if self.dot_native and uses and self.arg_storage[src] == self.low and all(u in self.dot_ops for u, _ in uses):
                 self.raw_loads.add(t)
+
+    def _dots_into_max(self) -> set[int]:
+        """Tile matmuls whose result a max reduction or running max reads, directly or through other ops."""
+        feeds: dict[int, set[int]] = {}  # tile -> the matmuls it derives from
+        out: set[int] = set()
+        for j, op in enumerate(self.block.ops):
+            t = self.n_in + j
+            feeds[t] = set().union(*(feeds.get(x, set()) for x in op.inputs)) | ({t} if op.kind == "matmul" else set())
+            if (op.kind == "reduce" and op.attr("fn") == "max") or (op.kind == "accum" and op.attr("fn") == "max_last"):
+                out |= feeds[t]
+        return out
 
     def _plan_extents(self) -> None:
         """Tile dim classes of variable extents: class -> extent id; refuse count-dependent operators over them."""
@@ -710,7 +725,7 @@ class _Gen:
             else:
                 kw = f', input_precision="{"ieee" if prec == "input" else prec}"'
             b_nk = trans and ib not in self.load_transposed  # b holds [N, K]
-            if self.params.dot_swap:  # (A @ B)^T = B^T @ A^T: the weight's columns are the MMA's M side
+            if t in self.swap_dots:  # (A @ B)^T = B^T @ A^T: the weight's columns are the MMA's M side
                 bt = bm if b_nk else f"tl.trans({bm})"
                 self.emit(f"{name} = tl.trans(tl.dot({bt}, tl.trans({am}){kw}))", depth)
             else:
