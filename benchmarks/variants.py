@@ -108,11 +108,13 @@ def _combine_blocks(out: int, n_blocks: int) -> int:
 
 def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps: float = 1e-6) -> list[Candidate]:
     """One kernel over the whole K (few columns a program, long K chunks for one row: GEMV-shaped;
-    32-128 columns, shorter chunks for tile matmuls: the weight tile is the MMA's M side, 16 columns
-    lost at every batch >= 8 of the 2026-12-03 run), and split-K partials with a combine kernel."""
+    32-128 columns and 128-512 long chunks for tile matmuls: the weight tile is the MMA's M side; 16
+    columns lost at every batch >= 8 of the 2026-12-03 runs, and at batch 32 fewer, longer chunks won
+    by 2x), and split-K partials with a combine kernel."""
     cs: list[Candidate] = []
     gemv = batch == 1
-    tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128))
+    tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (64, 512), (128, 128),
+                                                                       (128, 256))
     for c, kc in tiles:
         if _divides(out, c) and _divides(hidden, kc):
             cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, eps=eps, dtype=dtype),
@@ -156,9 +158,9 @@ def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int,
 def lora_candidates(batch: int, k: int, n: int, rank: int, dtype: str) -> list[Candidate]:
     """One kernel (X A^T accumulated in the main loop, A re-read by every program), and two kernels
     (split-K X A^T first; the GEMV over W streams while it runs and adds s (X A^T) B^T after its loop);
-    K chunks of 1024 next to 512 where one row is GEMV-shaped."""
+    K chunks of 512 and 1024 (the two-kernel form won at every shape of the 2026-12-03 run)."""
     cs: list[Candidate] = []
-    chunks = (512, 1024) if batch == 1 else (512,)
+    chunks = (512, 1024)
     for c, kc in itertools.product((8, 16, 32), chunks):
         if _divides(n, c) and _divides(k, kc) and _divides(k, 16 * 256):
             if kc == 512:
