@@ -13,7 +13,8 @@ Initialisations (``mode:std:emb``): ``base`` every matrix N(0, std); ``resid``
 also o_proj and down_proj scaled by 1/sqrt(2 * layers) (GPT-2); ``perm`` sets
 lm_head to the token embeddings of a random permutation (each token gets a
 designated successor) and ``emb`` scales the embedding by that factor.
-Usage: ``python benchmarks/e2e_init_noise.py base:0.02:1 resid:0.02:1 resid-perm:0.02:3``.
+Usage: ``python benchmarks/e2e_init_noise.py [--layers=N] base:0.02:1 resid:0.02:1 resid-perm:0.02:3``
+(default 8 layers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hi
 
 
 def initialise(model: nn.Module, mode: str, std: float, emb: float) -> None:
+    layers = model.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -38,7 +40,7 @@ def initialise(model: nn.Module, mode: str, std: float, emb: float) -> None:
             else:
                 p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
             if "resid" in mode and ("o_proj" in name or "down_proj" in name):
-                p.mul_((2 * LAYERS) ** -0.5)
+                p.mul_((2 * layers) ** -0.5)
         model.model.embed_tokens.weight.mul_(emb)
         if "perm" in mode:
             e = model.model.embed_tokens.weight.float()
@@ -46,10 +48,10 @@ def initialise(model: nn.Module, mode: str, std: float, emb: float) -> None:
             model.lm_head.weight.copy_(e[perm] / e[perm].norm(dim=-1, keepdim=True))
 
 
-def main(specs: list[str]) -> None:
+def main(specs: list[str], layers: int = LAYERS) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, "num_hidden_layers": layers})).to(torch.bfloat16).eval()
     model.set_attn_implementation("sdpa")
     noisy = [False]
 
@@ -81,4 +83,7 @@ def main(specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["base:0.02:1", "base:0.05:1", "base:0.1:1", "resid:0.02:1", "resid-perm:0.02:2", "resid-perm:0.02:3"])
+    args = sys.argv[1:]
+    n = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--layers=")), LAYERS)
+    args = [a for a in args if not a.startswith("--layers=")]
+    main(args or ["base:0.02:1", "base:0.05:1", "base:0.1:1", "resid:0.02:1", "resid-perm:0.02:2", "resid-perm:0.02:3"], n)
