@@ -398,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
     agreement: dict[str, dict] = {}
     reference: dict[int, tuple] = {}  # batch -> unpatched static decoder's (tokens, logits)
     layers_change: dict[int, float] = {}  # batch -> share of reference positions where the layers change the greedy choice
+    embedding_share: dict[int, float] = {}  # batch -> median cosine of the final hidden state with the current token's embedding
     accuracy: dict[str, dict] = {}  # against the float32 model, on the reference sequence
     logits32: dict[int, object] = {}
     fp32 = None
@@ -417,7 +418,12 @@ def run(args: argparse.Namespace) -> int:
                 reference[b] = (ref[:, args.prompt:], ref_logits)
                 model.set_attn_implementation("sdpa")
                 with torch.no_grad():
-                    full = model(ref[:, :-1]).logits[:, args.prompt - 1:].float()
+                    fwd = model(ref[:, :-1], output_hidden_states=True)
+                    full = fwd.logits[:, args.prompt - 1:].float()
+                    last = fwd.hidden_states[-1][:, args.prompt - 1:].float()  # after the final norm
+                    current = model.model.embed_tokens(ref[:, args.prompt - 1:-1]).float()
+                    embedding_share[b] = float(torch.nn.functional.cosine_similarity(last, current, dim=-1).median())
+                    del fwd, last, current
                 agreement[f"b{b}_hf_sdpa_forward_forced_vs_static"] = forced_agreement(ref[:, args.prompt:], ref_logits, full.argmax(-1), full)
                 with torch.no_grad():  # the greedy choice without the layers: norm(embedding) through lm_head
                     inner = model.model
@@ -498,6 +504,7 @@ def run(args: argparse.Namespace) -> int:
         "not_patched": [r.to_dict() for r in report.skipped] if report else [],
         "token_agreement": agreement,
         "layers_change_argmax": {f"b{b}": v for b, v in layers_change.items()},
+        "final_hidden_cosine_with_current_embedding": {f"b{b}": v for b, v in embedding_share.items()},
         "accuracy_vs_fp32": accuracy,
         "rows": rows,
         "wall_s": round(time.perf_counter() - t_start, 1),
@@ -536,7 +543,9 @@ def run(args: argparse.Namespace) -> int:
                 lines.append(f"| {b[1:]} | {name} | {a['logit_rel_error_median']:.4f} | {a['logit_rel_error_max']:.4f} | {a['argmax_equal']}/{a['of']} |")
     if layers_change:
         lines += ["", "Share of reference positions where the layers change the greedy choice (vs norm(embedding) through lm_head): "
-                  + ", ".join(f"batch {b}: {v:.3f}" for b, v in layers_change.items())]
+                  + ", ".join(f"batch {b}: {v:.3f}" for b, v in layers_change.items())
+                  + "; median cosine of the final hidden state with the current token's embedding: "
+                  + ", ".join(f"batch {b}: {v:.3f}" for b, v in embedding_share.items())]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
