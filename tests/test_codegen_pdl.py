@@ -32,7 +32,7 @@ def test_second_kernel_loops_over_graph_inputs_before_its_wait():
     assert b1[0] == TRIGGER and b1.count(WAIT) == 1
     loop, wait = b1.index("for i in range(2):"), b1.index(WAIT)
     assert loop < wait
-    loads = {n: i for i, line in enumerate(b1) for n in range(4) if line.startswith(f"t") and f"tl.load(in{n}_ptr" in line}
+    loads = {n: i for i, line in enumerate(b1) for n in range(4) if line.startswith("t") and f"tl.load(in{n}_ptr" in line}
     assert loads[0] < wait and loads[1] < wait  # X and W: graph inputs, streamed in the loop
     assert loads[2] > wait and loads[3] > wait  # B (only needed after the loop) and kernel 1's partials
     assert all(i > wait for i, line in enumerate(b1) if line.startswith("tl.store("))

@@ -444,7 +444,7 @@ class _Gen:
         post = dict(env)
         if wait_late:  # the loop read graph inputs only; what earlier kernels wrote is read (and outputs written) after it
             self.emit("tl.extra.cuda.gdc_wait()")
-        for j, bi in enumerate(blk.inputs):
+        for j in range(len(blk.inputs)):
             if j in deferred:
                 post[j] = self._emit_load(j, loads[j], 1)
         for j, op in enumerate(blk.ops):

@@ -60,7 +60,8 @@ class SearchConfig:
     time_budget_s: float | None = 600.0
     jobs: int = 2
     max_states: int = 20000  # kernel-graph prefixes kept per level (memory bound)
-    max_block_nodes: int = 200000  # block-graph prefixes visited per task
+    first_block_nodes: int = 2000  # block-graph prefixes per map choice in the first round of a level
+    max_block_nodes: int = 200000  # block-graph prefixes per map choice in the last round (rounds grow 4x)
     max_candidates: int = 64  # verified candidates kept
     seed: int = 0
     progress: bool = True
@@ -68,7 +69,7 @@ class SearchConfig:
     def __post_init__(self) -> None:
         positive = ("max_kernel_ops", "max_customized", "max_block_inputs", "max_block_ops", "max_block_outputs",
                     "max_grid_dims", "instantiations_per_structure", "max_instantiations", "trials", "jobs",
-                    "max_states", "max_block_nodes", "max_candidates")
+                    "max_states", "first_block_nodes", "max_block_nodes", "max_candidates")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -30,7 +30,6 @@ from mirage_serve.mugraph.serialize import content_hash
 from mirage_serve.search.config import SearchConfig
 from mirage_serve.search.cost import GraphCost, graph_cost
 from mirage_serve.search.enumerate import (
-    Budget,
     Counters,
     ExprEngine,
     KernelState,
@@ -41,6 +40,7 @@ from mirage_serve.search.enumerate import (
     expand_predefined,
     instantiations,
     map_choices,
+    min_input_tile_bytes,
     prefix_graph,
 )
 from mirage_serve.search.labels import kernel_labels
@@ -166,17 +166,20 @@ def _run_task(task: tuple) -> dict[str, Any]:
     state: KernelState = task[1]
     infos, exprs, labels = _state_info(state)
     engine, vocab = _W["engine"], _W["vocab"]
-    budget = Budget(_W["deadline"], cfg.max_block_nodes)
+    deadline = _W["deadline"]
     n_out = len(_W["spec"].outputs)
+    unfinished: list = []
     if kind == "pre":
         new = expand_predefined(state, infos, exprs, engine, vocab, counters, labels)
     else:
-        _, _, sources, choices, max_outputs = task
-        new = expand_customized(state, infos, exprs, sources, choices, engine, vocab, cfg, counters, budget, labels,
-                                max_outputs=max_outputs)
+        _, _, sources, choices, max_outputs, node_budget = task
+        new, cut = expand_customized(state, infos, exprs, sources, choices, engine, vocab, cfg, counters, deadline,
+                                     node_budget, labels, max_outputs=max_outputs)
+        if cut:
+            unfinished.append(("blk", state, sources, cut, max_outputs))
     states, structures = [], []
     for st, ex in new:
-        if budget.exhausted():
+        if deadline is not None and time.monotonic() > deadline:
             counters.truncated = True
             break
         g = complete_graph(st, ex, engine, n_out)
@@ -185,7 +188,7 @@ def _run_task(task: tuple) -> dict[str, Any]:
             continue
         counters.structures += 1
         structures.append(g)
-    return {"states": states, "structures": structures, "counters": counters}
+    return {"states": states, "structures": structures, "counters": counters, "unfinished": unfinished}
 
 
 # --------------------------------------------------------------------------- driver side
@@ -305,50 +308,84 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
 def _run_level(states, level, final, spec, cfg, runner, vocab, counters, stats, found, seen_structures, start, over,
                tqdm, best_hash):
     """Expand every prefix by one operator; verify the complete structures found.
-    Returns (prefixes for the next level, terminated, hash of the best candidate)."""
+    Returns (prefixes for the next level, terminated, hash of the best candidate).
+
+    Map choices are enumerated in rounds of growing node budgets (iterative
+    broadening): round 0 gives each choice ``cfg.first_block_nodes`` block-graph
+    prefixes, each later round four times as many (at most ``cfg.max_block_nodes``)
+    to the choices the previous round cut short, so a choice whose operator space
+    is small is searched in full before a large one is, whatever their order."""
     n_out = len(spec.outputs)
     tasks = _plan_level(states, cfg, counters, over, vocab, final, n_out, _spec_vars(spec))
-    bar = tqdm(total=len(tasks), desc=f"search level {level}{' (final)' if final else ''}",
-               disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
     next_states: list[KernelState] = []
     next_keys: set[tuple[str, ...]] = set()
     terminated = False
-    wave = max(2, 2 * runner.jobs)  # small waves: structures are verified soon after they are found
-    for w0 in range(0, len(tasks), wave):
-        structures: list[KernelGraph] = []
-        for res in runner.imap(tasks[w0 : w0 + wave]):
-            counters.add(res["counters"])
-            for g in res["structures"]:
-                h = content_hash(g)
-                if h not in seen_structures:
-                    seen_structures.add(h)
-                    structures.append(g)
-            if not final:
-                for st in res["states"]:
-                    if len(next_states) >= cfg.max_states:
-                        counters.truncated = True
-                        break
-                    k = _state_key(st)
-                    if k not in next_keys:
-                        next_keys.add(k)
-                        next_states.append(st)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
-                                structures=len(seen_structures), verified=len(found))
+    node_budget = min(cfg.first_block_nodes, cfg.max_block_nodes)
+    round_no = 0
+    while tasks:
+        tasks = [t + (node_budget,) if t[0] == "blk" else t for t in tasks]
+        bar = tqdm(total=len(tasks), desc=f"search level {level}{' (final)' if final else ''}"
+                   + (f", round {round_no} ({node_budget} nodes per choice)" if round_no else ""),
+                   disable=not cfg.progress or tqdm is None, leave=False) if tqdm else None
+        unfinished: list[tuple] = []
+        wave = max(2, 2 * runner.jobs)  # small waves: structures are verified soon after they are found
+        for w0 in range(0, len(tasks), wave):
+            structures: list[KernelGraph] = []
+            for res in runner.imap(tasks[w0 : w0 + wave]):
+                counters.add(res["counters"])
+                unfinished.extend(res.get("unfinished", ()))
+                for g in res["structures"]:
+                    h = content_hash(g)
+                    if h not in seen_structures:
+                        seen_structures.add(h)
+                        structures.append(g)
+                if not final:
+                    for st in res["states"]:
+                        if len(next_states) >= cfg.max_states:
+                            counters.truncated = True
+                            break
+                        k = _state_key(st)
+                        if k not in next_keys:
+                            next_keys.add(k)
+                            next_states.append(st)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(enum=counters.enumerated, pruned=counters.pruned_abstract + counters.pruned_other,
+                                    structures=len(seen_structures), verified=len(found))
+                if over():
+                    break
+            # verify what this wave completed before enumerating further: early first results
+            best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
             if over():
+                counters.truncated = True
+                terminated = True
                 break
-        # verify what this wave completed before enumerating further: early first results
-        best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
-        if over():
-            counters.truncated = True
-            terminated = True
+        if bar is not None:
+            bar.close()
+        if terminated or not unfinished:
             break
-    if bar is not None:
-        bar.close()
-    log.info("level %d%s: %d tasks, %d structures so far, %d prefixes kept, %d verified", level, " (final)" if final else "",
-             len(tasks), len(seen_structures), len(next_states), len(found))
+        if node_budget >= cfg.max_block_nodes:
+            counters.truncated = True  # choices the largest budget could not finish
+            log.info("level %d: %d map choices not finished within %d block nodes each", level,
+                     sum(len(t[3]) for t in unfinished), node_budget)
+            break
+        node_budget = min(4 * node_budget, cfg.max_block_nodes)
+        round_no += 1
+        tasks = _split_choice_tasks(unfinished, cfg)
+    log.info("level %d%s: %d rounds, %d structures so far, %d prefixes kept, %d verified", level, " (final)" if final else "",
+             round_no + 1, len(seen_structures), len(next_states), len(found))
     return next_states, terminated, best_hash
+
+
+def _split_choice_tasks(tasks: list[tuple], cfg: SearchConfig) -> list[tuple]:
+    """Tasks of at most a few map choices each, so both workers stay busy."""
+    total = sum(len(t[3]) for t in tasks)
+    per = max(1, -(-total // (8 * max(1, cfg.jobs))))
+    out = []
+    for kind, st, sources, choices, max_outputs in tasks:
+        for i in range(0, len(choices), per):
+            out.append((kind, st, sources, choices[i : i + per], max_outputs))
+    return out
 
 
 def _spec_vars(spec: KernelGraph) -> frozenset[str]:
@@ -372,6 +409,7 @@ def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters
     from mirage_serve.search.abstract import graph_exprs
 
     tasks: list[tuple] = []
+    blk: list[tuple] = []
     for st in states:
         if over():
             counters.truncated = True
@@ -387,15 +425,15 @@ def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters
             if final and not spec_vars <= frozenset().union(*(_vars_of(exprs[s]) for s in sources)):
                 counters.pruned_abstract += 1
                 continue
-            choices = map_choices([infos[s] for s in sources], cfg.max_grid_dims, counters,
-                                  [labels[s] for s in sources], vocab.labels)
-            if not choices:
+            src_infos = [infos[s] for s in sources]
+            choices = map_choices(src_infos, cfg.max_grid_dims, counters, [labels[s] for s in sources], vocab.labels)
+            fitting = [c for c in choices if min_input_tile_bytes(c, src_infos, cfg) <= cfg.target.smem_per_block]
+            counters.pruned_other += len(choices) - len(fitting)
+            if not fitting:
                 continue
-            per = max(1, -(-len(choices) // (4 * max(1, cfg.jobs))))
             max_outputs = min(cfg.max_block_outputs, n_out) if final else cfg.max_block_outputs
-            for i in range(0, len(choices), per):
-                tasks.append(("blk", st, sources, choices[i : i + per], max_outputs))
-    return tasks
+            blk.append(("blk", st, sources, fitting, max_outputs))
+    return tasks + _split_choice_tasks(blk, cfg)
 
 
 def _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash):

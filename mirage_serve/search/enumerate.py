@@ -89,15 +89,19 @@ class Counters:
 
 
 class Budget:
-    """A deadline and a node limit shared by one enumeration task."""
+    """A deadline and a node limit of one map choice's enumeration."""
 
     def __init__(self, deadline: float | None, max_nodes: int) -> None:
         self.deadline = deadline
         self.max_nodes = max_nodes
         self.nodes = 0
+        self.cut = False  # the enumeration stopped before it was complete
 
     def exhausted(self) -> bool:
-        return self.nodes >= self.max_nodes or (self.deadline is not None and time.monotonic() > self.deadline)
+        return self.nodes >= self.max_nodes or self.out_of_time()
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -553,6 +557,32 @@ def _check_maps(infos: list[TensorInfo], rank: int, combo) -> MapChoice | None:
     return MapChoice(tuple(range(len(infos))), tuple(m for m, _ in combo), tuple(f for _, f in combo), tuple(grid), rng)
 
 
+def min_input_tile_bytes(choice: MapChoice, infos: list[TensorInfo], cfg) -> int:
+    """A lower bound of the shared memory the input tiles of ``choice`` need at
+    any instantiation :func:`instantiations` may pick: every grid-split dim at its
+    largest grid option (of either role), every loop dim at its smallest chunk,
+    other dims whole. :func:`instantiations` rejects any concrete operator whose
+    tiles exceed ``cfg.target.smem_per_block``, so a choice whose bound already
+    exceeds it has no instantiation and is pruned before its operators are enumerated."""
+    from mirage_serve.search.cost import DTYPE_BYTES
+
+    total = 0
+    for j, (imap, f) in enumerate(zip(choice.input_maps, choice.forloop_dims, strict=True)):
+        shape = infos[j].shape
+        numel = 1
+        for d, extent in enumerate(shape):
+            size = extent
+            if d in imap:
+                grids = _grid_options(extent, "tile", cfg) + _grid_options(extent, "split", cfg)
+                if grids:
+                    size = max(1, extent // max(grids))
+            if f == d:
+                size = min(size, min(cfg.loop_chunks))
+            numel *= size
+        total += numel * DTYPE_BYTES.get(infos[j].dtype, 4)
+    return total
+
+
 # --------------------------------------------------------------------------- block graphs
 
 
@@ -863,7 +893,7 @@ def _node_candidates(st: _BlockState, ctx: _BlockCtx, lo: int, n: int, prev, cou
 def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
     counters, budget = ctx.counters, ctx.budget
     if budget.exhausted():
-        counters.truncated = True
+        budget.cut = True
         return
     budget.nodes += 1
     counters.block_nodes += 1
@@ -919,7 +949,7 @@ def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
         if st.labels:
             st.labels.pop()
         if budget.exhausted():
-            counters.truncated = True
+            budget.cut = True
             return
 
 
@@ -1175,22 +1205,31 @@ def customized_sources(state: KernelState, infos: list[TensorInfo], max_inputs: 
 
 def expand_customized(state: KernelState, infos: list[TensorInfo], exprs: list[Any], sources: tuple[int, ...],
                       choices: list[MapChoice], engine: ExprEngine, vocab: Vocabulary, cfg, counters: Counters,
-                      budget: Budget, labels: list | None = None, max_outputs: int | None = None) -> list[tuple[KernelState, list[Any]]]:
-    """Append one customized operator reading ``sources``, for each map choice."""
+                      deadline: float | None, node_budget: int, labels: list | None = None,
+                      max_outputs: int | None = None) -> tuple[list[tuple[KernelState, list[Any]]], list[MapChoice]]:
+    """Append one customized operator reading ``sources``, for each map choice,
+    visiting at most ``node_budget`` block-graph prefixes per choice.
+
+    Returns the new states and the choices whose enumeration the node budget cut
+    short (the driver runs those again with a larger budget)."""
     out = []
+    unfinished: list[MapChoice] = []
     prefix = prefix_graph(state.ops)
     n = len(infos)
     for choice in choices:
+        budget = Budget(deadline, node_budget)
         for comp in enumerate_blocks(choice, sources, infos, exprs, prefix, engine, vocab, cfg.max_block_ops,
                                      max_outputs or cfg.max_block_outputs, counters, budget, labels):
             if not canonical_ok(state.ops, n, comp.op):
                 counters.pruned_other += 1
                 continue
             out.append((KernelState(state.ops + (comp.op,)), exprs + list(comp.exprs)))
-        if budget.exhausted():
+        if budget.cut and budget.out_of_time():
             counters.truncated = True
             break
-    return out
+        if budget.cut:
+            unfinished.append(choice)
+    return out, unfinished
 
 
 def complete_graph(state: KernelState, exprs: list[Any], engine: ExprEngine, num_outputs: int) -> KernelGraph | None:
