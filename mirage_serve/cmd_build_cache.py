@@ -15,8 +15,12 @@ stopped. Decode attention uses the kv_len buckets of :mod:`mirage_serve.models.b
 Buckets of one family (same spec, dtype, options and non-bucketed dims) share structure: the
 first bucket is searched in full, and its best verified μGraphs seed the others — each is
 re-instantiated at the new bucket's shapes (fresh grids and loop ranges) and verified again
-against that bucket's spec. A certificate is never reused across shapes; when no seed
-re-verifies, that bucket is searched in full. ``--no-seed`` searches every bucket.
+against that bucket's spec. The first bucket of a new family of the same spec (RMSNorm→gate/up
+after RMSNorm→QKV) is seeded the same way from the structures verified for another family. A
+certificate is never reused across shapes; when no seed re-verifies, that bucket is searched in
+full. When a family's search ends without a verified fused μGraph, that bucket and the rest of
+its family are reported as ``original`` (the model's own code runs there; not a failure).
+``--no-seed`` searches every bucket.
 
 A pipeline step whose package is missing from this build fails that subgraph with a message
 naming the missing piece; nothing is written for it.
@@ -39,11 +43,16 @@ from mirage_serve.model_ids import DEFAULT_MODEL_ID, ModelNotFoundError, bundled
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
-DEFAULT_TIME_BUDGET_S = 60.0
+DEFAULT_TIME_BUDGET_S = 240.0
 BUCKETED_DIMS = ("batch", "kv_len")
 VERIFY_MEMORY_FACTOR = 4
 SEARCH_ENGINE_MODULES = ("mirage_serve.search.abstract", "mirage_serve.search.prune")
 MAX_SEEDS = 4  # verified structures of one bucket tried at the next buckets of the same family
+
+
+class NoFusedForm(Exception):
+    """The search ended (complete or at its time budget) without a verified fused μGraph: the
+    subgraph keeps running the model's original code. Not a failure of the build."""
 
 
 class StepError(Exception):
@@ -94,7 +103,7 @@ class ItemResult:
     """What happened to one work item."""
 
     item: WorkItem
-    status: str  # planned | cached | built | failed
+    status: str  # planned | cached | built | original (no fused form found: the model's code runs) | failed
     verified: bool | None = None
     speedup: float | None = None  # baseline (unfused spec) time / chosen candidate time, same ranking method
     profiled: bool | None = None
@@ -108,7 +117,7 @@ class ItemResult:
 
     @property
     def speedup_text(self) -> str:
-        if self.status in ("planned", "failed") or self.speedup is None:
+        if self.status in ("planned", "failed", "original") or self.speedup is None:
             return "-"
         if not self.profiled:
             return "unprofiled"
@@ -281,6 +290,13 @@ def family_of(subgraph: Any) -> tuple:
     return (subgraph.spec_name, dims, subgraph.dtype, tuple(sorted(subgraph.options.items())))
 
 
+def spec_kind_of(subgraph: Any) -> tuple:
+    """Subgraphs of one spec, dtype and options, whatever their dims: a structure found for one
+    (say RMSNorm→QKV) is tried, re-instantiated and verified afresh, for another (RMSNorm→gate/up)
+    before a search is started for it."""
+    return (subgraph.spec_name, subgraph.dtype, tuple(sorted(subgraph.options.items())))
+
+
 @dataclass
 class Found:
     """A candidate μGraph for one bucket with its certificate (computed at that bucket's dims)."""
@@ -351,8 +367,10 @@ def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[lis
     stats = _plain(getattr(result, "stats", None)) or {}
     candidates = list(result.candidates)[: opts.max_candidates]
     if not candidates:
-        raise StepError("search", f"search found no verified candidate within {opts.time_budget_s:g}s (stats: {stats}); "
-                                  "try a larger --time-budget")
+        how = "searched its whole space" if stats.get("complete") else f"stopped at its {opts.time_budget_s:g}s budget"
+        raise NoFusedForm(f"no verified fused μGraph (the search {how}: {stats.get('enumerated', 0)} candidates enumerated, "
+                          f"{stats.get('structures', 0)} complete structures, {stats.get('rejected', 0)} rejected by the verifier); "
+                          "the original code runs here; a larger --time-budget may find one")
     out = []
     for c in candidates:
         cert = _certificate_of(c, spec, opts)
@@ -424,6 +442,8 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
                           details=details, graphs=[r.graph for r in ranked[:MAX_SEEDS]])
+    except NoFusedForm as e:
+        return ItemResult(item, "original", message=str(e), seconds=time.perf_counter() - t0)
     except StepError as e:
         return ItemResult(item, "failed", step=e.step, message=str(e), seconds=time.perf_counter() - t0)
     except Exception as e:  # one subgraph's bug must not lose the others' entries
@@ -469,6 +489,9 @@ def format_results(results: list[ItemResult]) -> str:
     rows = [[r.item.name, r.item.describe(), r.item.bucket, r.status + (f" ({r.step})" if r.step else ""),
              _verified_text(r.verified), r.speedup_text, "-" if r.status == "planned" else f"{r.seconds:.1f}s"] for r in results]
     text = _table(rows, ["subgraph", "kernel", "bucket", "status", "verified", "speed-up", "time"])
+    original = [r for r in results if r.status == "original"]
+    if original:
+        text += "\n\nno fused form (the original code runs):\n" + "\n".join(f"  {r.item.describe()}: {r.message}" for r in original)
     failures = [r for r in results if r.status == "failed"]
     if failures:
         text += "\n\nfailures:\n" + "\n".join(f"  {r.item.describe()}: {r.message}" for r in failures)
@@ -547,7 +570,9 @@ def run(args: argparse.Namespace) -> int:
         # on a GPU several verified seeds are worth profiling; on CPU the cost model's best is the one kept anyway
         opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild,
                             seeded_verified=3 if arch != "unprofiled" else 1)
-        seeds: dict[tuple, list[Any]] = {}
+        seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
+        spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
+        unfusable: dict[tuple, str] = {}  # family -> bucket whose search found no fused form
         from tqdm import tqdm
 
         bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
@@ -558,10 +583,20 @@ def run(args: argparse.Namespace) -> int:
                     results.append(ItemResult(item, "failed", step="lookup", message=cache_error or "no cache"))
                     continue
                 family = family_of(item.subgraph)
-                r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds.get(family))
+                kind = spec_kind_of(item.subgraph)
+                if family in unfusable and not args.no_seed:
+                    results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form at "
+                                                                         f"{unfusable[family]} of the same kernel (--no-seed searches every bucket)"))
+                    continue
+                r = build_item(item, cache, arch, opts,
+                               seeds=None if args.no_seed else seeds.get(family) or spec_seeds.get(kind))
                 results.append(r)
                 if r.graphs and family not in seeds:
                     seeds[family] = r.graphs
+                if r.graphs and kind not in spec_seeds:
+                    spec_seeds[kind] = r.graphs
+                if r.status == "original" and family not in seeds:
+                    unfusable[family] = item.bucket
                 log.info("%s %s: %s in %.1fs%s", item.describe(), item.bucket, r.status, r.seconds, f" ({r.message})" if r.message else "")
         except KeyboardInterrupt:
             log.warning("interrupted: entries built so far are in the cache; run the same command again to resume")
@@ -569,7 +604,7 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
 
     total = time.perf_counter() - t_start
-    counts = {s: sum(r.status == s for r in results) for s in ("planned", "cached", "built", "failed")}
+    counts = {s: sum(r.status == s for r in results) for s in ("planned", "cached", "built", "original", "failed")}
     if args.json:
         print(json.dumps({**header, "dry_run": bool(args.dry_run), "wall_s": round(total, 3), "counts": counts,
                           "results": [r.to_dict() for r in results]}, indent=2))
