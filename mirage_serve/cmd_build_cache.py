@@ -18,8 +18,9 @@ re-instantiated at the new bucket's shapes (fresh grids and loop ranges) and ver
 against that bucket's spec. The first bucket of a new family of the same spec (RMSNorm→gate/up
 after RMSNorm→QKV) is seeded the same way from the structures verified for another family. A
 certificate is never reused across shapes; when no seed re-verifies, that bucket is searched in
-full. When a family's search ends without a verified fused μGraph, that bucket and the rest of
-its family are reported as ``original`` (the model's own code runs there; not a failure).
+full. When a search ends without a verified fused μGraph, that kernel and the other buckets and
+families of its spec are reported as ``original`` (the model's own code runs there; not a
+failure) without searching again.
 ``--no-seed`` searches every bucket.
 
 A pipeline step whose package is missing from this build fails that subgraph with a message
@@ -572,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
                             seeded_verified=3 if arch != "unprofiled" else 1)
         seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
-        unfusable: dict[tuple, str] = {}  # family -> bucket whose search found no fused form
+        unfusable: dict[tuple, str] = {}  # (spec, dtype, options) -> the kernel whose search found no fused form
         from tqdm import tqdm
 
         bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
@@ -584,9 +585,9 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 family = family_of(item.subgraph)
                 kind = spec_kind_of(item.subgraph)
-                if family in unfusable and not args.no_seed:
-                    results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form at "
-                                                                         f"{unfusable[family]} of the same kernel (--no-seed searches every bucket)"))
+                if not args.no_seed and family not in seeds and kind not in spec_seeds and kind in unfusable:
+                    results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form for "
+                                                                         f"{unfusable[kind]} (--no-seed searches every bucket)"))
                     continue
                 r = build_item(item, cache, arch, opts,
                                seeds=None if args.no_seed else seeds.get(family) or spec_seeds.get(kind))
@@ -595,8 +596,8 @@ def run(args: argparse.Namespace) -> int:
                     seeds[family] = r.graphs
                 if r.graphs and kind not in spec_seeds:
                     spec_seeds[kind] = r.graphs
-                if r.status == "original" and family not in seeds:
-                    unfusable[family] = item.bucket
+                if r.status == "original" and kind not in spec_seeds:
+                    unfusable[kind] = f"{item.describe()} {item.bucket}"
                 log.info("%s %s: %s in %.1fs%s", item.describe(), item.bucket, r.status, r.seconds, f" ({r.message})" if r.message else "")
         except KeyboardInterrupt:
             log.warning("interrupted: entries built so far are in the cache; run the same command again to resume")

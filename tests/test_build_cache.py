@@ -154,3 +154,27 @@ def test_family_ignores_only_the_bucketed_dims():
     b = Subgraph("attention_decode", {"batch": 64, "q_heads": 8, "kv_heads": 2, "head_dim": 64, "kv_len": 16384}, "r", [])
     c = Subgraph("attention_decode", {"batch": 1, "q_heads": 8, "kv_heads": 1, "head_dim": 64, "kv_len": 1024}, "r", [])
     assert cmd_build_cache.family_of(a) == cmd_build_cache.family_of(b) != cmd_build_cache.family_of(c)
+
+
+def test_a_spec_without_a_fused_form_runs_the_original_code(capsys, tmp_path, monkeypatch):
+    """A search that ends without a verified μGraph is reported as 'original' (not a failure, no
+    entry), and the other buckets and families of that spec are not searched again."""
+    from mirage_serve.search.driver import SearchResult, SearchStats
+
+    calls = []
+
+    def empty_search(spec, config):
+        calls.append(spec)
+        return SearchResult([], SearchStats(enumerated=123, complete=True))
+
+    monkeypatch.setattr("mirage_serve.search.superoptimize", empty_search)
+    rc, report = run_json(capsys, "--batch-sizes", "1,2", "--only", "attn_norm_qkv,mlp_norm_gate_up",
+                          "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0, report
+    assert report["counts"]["original"] == report["distinct_kernels"] == 4 and report["counts"]["failed"] == 0
+    assert len(calls) == 1  # QKV at batch 1; gate/up and batch 2 are the same spec
+    first, *rest = report["results"]
+    assert "no verified fused μGraph" in first["message"] and "searched its whole space" in first["message"]
+    assert all("not searched" in r["message"] for r in rest)
+    assert all(r["entry_id"] is None and r["verified"] is None for r in report["results"])
+    assert not list(tmp_path.rglob("*.json"))
