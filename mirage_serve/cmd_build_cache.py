@@ -384,6 +384,48 @@ def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[lis
     return out, stats
 
 
+SEARCHES = "searches"  # <cache root>/searches/<entry id>.json: searches that found no fused form
+
+
+def _search_record_path(cache: Any, key: Any) -> Any:
+    return cache.root / SEARCHES / f"{key.entry_id}.json"
+
+
+def recorded_no_fusion(cache: Any, key: Any, time_budget_s: float) -> str | None:
+    """The message of an earlier search for ``key`` that found no fused form with at least this
+    budget, or None. The record is data only (a JSON object with a number and a string); anything
+    else is ignored with a warning, and the search runs again."""
+    path = _search_record_path(cache, key)
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        obj = json.loads(path.read_text(encoding="utf-8"))
+        budget, message = obj["time_budget_s"], obj["message"]
+        if obj.get("schema") != 1 or not isinstance(budget, (int, float)) or not isinstance(message, str):
+            raise ValueError("unexpected fields")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring the search record %s (%s); searching again", path, e)
+        return None
+    return message if budget >= time_budget_s else None
+
+
+def record_no_fusion(cache: Any, key: Any, time_budget_s: float, message: str) -> None:
+    """Remember (atomically) that a search with this budget found no fused form, so a second run
+    does not repeat it; ``--rebuild`` or a larger ``--time-budget`` searches again."""
+    import os
+    import tempfile
+
+    d = cache.root / SEARCHES
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"schema": 1, "time_budget_s": time_budget_s, "message": message}, f)
+        os.replace(tmp, _search_record_path(cache, key))
+    except OSError as e:
+        log.warning("could not record the search outcome in %s (%s); a second run searches again", d, e)
+
+
 def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None = None) -> ItemResult:
     """Run one work item through lookup -> search (or seeded re-instantiation) -> verify -> codegen -> tune -> write.
 
@@ -398,6 +440,11 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
             entry = lookup(cache, key)
             if entry is not None:
                 return cached_result(item, entry, key, time.perf_counter() - t0)
+            if not seeds:
+                recorded = recorded_no_fusion(cache, key, opts.time_budget_s)
+                if recorded is not None:
+                    return ItemResult(item, "original", message=f"{recorded} (recorded by an earlier run; --rebuild searches again)",
+                                      seconds=time.perf_counter() - t0)
         spec = sg.build_spec()
         need, have = verify_memory_bytes(spec), available_memory_bytes()
         if have is not None and need > have:
@@ -444,6 +491,7 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
                           details=details, graphs=[r.graph for r in ranked[:MAX_SEEDS]])
     except NoFusedForm as e:
+        record_no_fusion(cache, key, opts.time_budget_s, str(e))
         return ItemResult(item, "original", message=str(e), seconds=time.perf_counter() - t0)
     except StepError as e:
         return ItemResult(item, "failed", step=e.step, message=str(e), seconds=time.perf_counter() - t0)

@@ -177,4 +177,16 @@ def test_a_spec_without_a_fused_form_runs_the_original_code(capsys, tmp_path, mo
     assert "no verified fused μGraph" in first["message"] and "searched its whole space" in first["message"]
     assert all("not searched" in r["message"] for r in rest)
     assert all(r["entry_id"] is None and r["verified"] is None for r in report["results"])
-    assert not list(tmp_path.rglob("*.json"))
+    assert not list((tmp_path / "c").rglob("entries/*.json"))
+    # a second run does not repeat the search (the outcome is recorded beside the entries) ...
+    rc, again = run_json(capsys, "--batch-sizes", "1,2", "--only", "attn_norm_qkv,mlp_norm_gate_up",
+                         "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and len(calls) == 1 and again["counts"]["original"] == 4
+    assert "recorded by an earlier run" in again["results"][0]["message"]
+    # ... unless the budget grows, or --rebuild
+    rc, bigger = run_json(capsys, "--batch-sizes", "1", "--only", "attn_norm_qkv", "--time-budget", "999",
+                          "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and len(calls) == 2
+    (tmp_path / "c" / "searches" / "x.json").write_text("{not json")  # foreign files are ignored
+    rc, _ = run_json(capsys, "--batch-sizes", "1", "--only", "attn_norm_qkv", "--rebuild", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and len(calls) == 3
