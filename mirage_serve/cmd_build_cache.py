@@ -410,19 +410,17 @@ def recorded_no_fusion(cache: Any, key: Any, time_budget_s: float) -> str | None
 
 
 def record_no_fusion(cache: Any, key: Any, time_budget_s: float, message: str) -> None:
-    """Remember (atomically) that a search with this budget found no fused form, so a second run
-    does not repeat it; ``--rebuild`` or a larger ``--time-budget`` searches again."""
-    import os
-    import tempfile
+    """Remember (atomically, under the cache lock) that a search with this budget found no fused
+    form, so a second run does not repeat it; ``--rebuild`` or a larger ``--time-budget`` searches again."""
+    from mirage_serve.cache.store import write_atomic
 
     d = cache.root / SEARCHES
+    data = json.dumps({"schema": 1, "time_budget_s": time_budget_s, "message": message}).encode("utf-8")
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"schema": 1, "time_budget_s": time_budget_s, "message": message}, f)
-        os.replace(tmp, _search_record_path(cache, key))
-    except OSError as e:
+        with cache._locked():
+            d.mkdir(parents=True, exist_ok=True)
+            write_atomic(d, _search_record_path(cache, key).name, data)
+    except Exception as e:  # the lock's timeout is a CacheError; a record is worth a warning, not the entry
         log.warning("could not record the search outcome in %s (%s); a second run searches again", d, e)
 
 
@@ -633,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 family = family_of(item.subgraph)
                 kind = spec_kind_of(item.subgraph)
-                if not args.no_seed and family not in seeds and kind not in spec_seeds and kind in unfusable:
+                if not args.no_seed and kind in unfusable and kind not in spec_seeds:
                     results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form for "
                                                                          f"{unfusable[kind]} (--no-seed searches every bucket)"))
                     continue

@@ -192,6 +192,29 @@ def load_entry_file(path: Path, *, deep: bool = True) -> CacheEntry:
     return entry
 
 
+def write_atomic(d: Path, name: str, data: bytes) -> Path:
+    """Write ``d / name`` through a fsynced temporary file in ``d`` renamed over it (a reader sees
+    the old file or the new one, never part of one); the caller holds the cache lock."""
+    target = d / name
+    tmp = d / f"{TMP_PREFIX}{Path(name).stem}-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(d)
+    return target
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every platform/filesystem allows fsync on a directory
         fd = os.open(path, os.O_RDONLY)
@@ -262,24 +285,7 @@ class KernelCache:
             raise CacheError(f"refusing to cache {entry.key.describe()}: its key is {stale}; build it with this installation's versions")
         text = entry.to_json().encode("ascii")
         with self._locked():
-            d = self._ensure_entries_dir()
-            target = d / entry.key.filename
-            tmp = d / f"{TMP_PREFIX}{entry.key.entry_id}-{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-            try:
-                try:
-                    view = memoryview(text)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            _fsync_dir(d)
+            target = write_atomic(self._ensure_entries_dir(), entry.key.filename, text)
         log.info("kernel cache: stored %s in %s", entry.key.describe(), target)
         return target
 
