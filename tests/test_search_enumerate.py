@@ -145,3 +145,28 @@ def test_block_rejection_explains():
     g.build([out])  # valid IR: exp of a per-iteration partial sum, then summed; no spec computes that
     reason = block_rejection(op.block, [TensorInfo((4, 64), "float32"), TensorInfo((32, 64), "float32")])
     assert reason is not None and "partition" in reason
+
+
+def test_a_tile_the_abstraction_reduces_to_a_number_is_not_a_duplicate_source():
+    """The split-KV combine rescales partial results by exp(m_i - M): abstractly 1
+    (maxima are size-free), concretely not. ``collapsed`` marks such tiles, and the
+    enumerator does not drop ``partial * exp(m_i - M)`` as equal to ``partial``."""
+    from mirage_serve.search.driver import default_engine
+
+    spec = build_spec("attention_decode", {"batch": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 32, "kv_len": 64})
+    graph = split_kv_attention(1, 4, 2, 32, 64, splits=2, loop=2)
+    engine = default_engine(spec, True)
+    from mirage_serve.search import abstract
+
+    exprs = abstract.graph_exprs(graph)
+    comb = graph.customized_ops[1]
+    tiles, _ = abstract.block_exprs(comb.block, [exprs[t] for t in comb.inputs], [graph.info[t] for t in comb.inputs])
+    kinds = [(op.kind, op.attr("fn")) for op in comb.block.ops]
+    n_in = len(comb.block.inputs)
+    factor = tiles[n_in + kinds.index(("unary", "exp"))]  # exp(m_i - max_i m_i)
+    assert engine.collapsed(factor)
+    assert not any(engine.collapsed(e) for e in tiles[:n_in])
+    # the rescaled partial has the expression of the partial itself, so without the
+    # exemption the duplicate rule would remove the only safe combine
+    first_mul = n_in + kinds.index(("binary", "mul"))
+    assert engine.fingerprint(tiles[first_mul]) in {engine.fingerprint(e) for e in tiles[:n_in]}

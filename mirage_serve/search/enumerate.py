@@ -257,6 +257,17 @@ class ExprEngine:
         nf = getattr(self.abstract, "normal_form", None)
         return nf(expr) if nf is not None else None
 
+    def collapsed(self, expr: Any) -> bool:
+        """True for a tile the abstraction reduces to a number although it is computed
+        from inputs: a difference of maxima over different ranges (maxima are
+        size-free), an exp of one. Such a tile is not truly constant (the
+        max-rescaling factor exp(m_i - M) of a split softmax is one), so an operator
+        reading it is not a duplicate of its other operand even when their
+        expressions agree."""
+        fp = self.fingerprint(expr)
+        is_const = getattr(self.abstract, "is_constant", None)
+        return fp is not None and is_const is not None and bool(is_const(fp))
+
     def possible(self, expr: Any) -> bool:
         if not self.prune or expr is None:
             return True
@@ -906,7 +917,7 @@ def _block_dfs(st: _BlockState, ctx: _BlockCtx) -> Iterator[BlockCompletion]:
     lo = prev[0] if prev is not None else 0
     for op, key, res in _node_candidates(st, ctx, lo, n, prev, counters):
         info, tg, lab, expr, fp = res
-        if fp is not None and fp in st.fps:
+        if fp is not None and fp in st.fps and not any(ctx.engine.collapsed(st.exprs[t]) for t in op.inputs):
             counters.pruned_abstract += 1  # equal to an existing tile: its uses can read that one
             continue
         is_max = op.kind == "accum" and op.attr("fn") == "max_last"
