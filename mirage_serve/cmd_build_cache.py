@@ -414,14 +414,14 @@ def record_no_fusion(cache: Any, key: Any, time_budget_s: float, message: str) -
     form, so a second run does not repeat it; ``--rebuild`` or a larger ``--time-budget`` searches again."""
     from mirage_serve.cache.store import write_atomic
 
-    d = cache.root / SEARCHES
+    path = _search_record_path(cache, key)
     data = json.dumps({"schema": 1, "time_budget_s": time_budget_s, "message": message}).encode("utf-8")
     try:
         with cache._locked():
-            d.mkdir(parents=True, exist_ok=True)
-            write_atomic(d, _search_record_path(cache, key).name, data)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path.parent, path.name, data)
     except Exception as e:  # the lock's timeout is a CacheError; a record is worth a warning, not the entry
-        log.warning("could not record the search outcome in %s (%s); a second run searches again", d, e)
+        log.warning("could not record the search outcome in %s (%s); a second run searches again", path.parent, e)
 
 
 def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None = None) -> ItemResult:

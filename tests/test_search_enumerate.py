@@ -5,7 +5,9 @@ from handwritten import fused_gated_mlp, fused_lora, fused_rmsnorm_linear, split
 
 from mirage_serve.mugraph import BlockBuilder, GraphBuilder, Op
 from mirage_serve.mugraph.shapes import TensorInfo
+from mirage_serve.search import abstract
 from mirage_serve.search.config import SearchConfig
+from mirage_serve.search.driver import default_engine
 from mirage_serve.search.enumerate import (
     LOOP,
     Counters,
@@ -151,13 +153,9 @@ def test_a_tile_the_abstraction_reduces_to_a_number_is_not_a_duplicate_source():
     """The split-KV combine rescales partial results by exp(m_i - M): abstractly 1
     (maxima are size-free), concretely not. ``collapsed`` marks such tiles, and the
     enumerator does not drop ``partial * exp(m_i - M)`` as equal to ``partial``."""
-    from mirage_serve.search.driver import default_engine
-
     spec = build_spec("attention_decode", {"batch": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 32, "kv_len": 64})
     graph = split_kv_attention(1, 4, 2, 32, 64, splits=2, loop=2)
     engine = default_engine(spec, True)
-    from mirage_serve.search import abstract
-
     exprs = abstract.graph_exprs(graph)
     comb = graph.customized_ops[1]
     tiles, _ = abstract.block_exprs(comb.block, [exprs[t] for t in comb.inputs], [graph.info[t] for t in comb.inputs])
