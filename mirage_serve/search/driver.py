@@ -265,6 +265,8 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
+    if cfg.split_outputs:
+        best_hash = _search_split(spec, cfg, engine_factory, verifier, start, deadline, stats, counters, found)
     vocab = Vocabulary.from_spec(spec)
     runner = _Runner(spec, cfg, engine_factory, verifier, deadline)
     terminated = False
@@ -303,6 +305,84 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     log.info("search done: %d verified candidates in %.1fs (%d enumerated, %d pruned by abstract expressions, %d by other rules)",
              len(cands), stats.elapsed_s, stats.enumerated, stats.pruned_abstract, stats.pruned_other)
     return SearchResult(cands, stats)
+
+
+SPLIT_HEAD_SHARE = 0.2  # of the time left: the head's search (when it is more than one pre-defined operator)
+SPLIT_TAIL_SHARE = 0.5  # of the time left after the head: the tail's search
+SPLIT_CANDIDATES = 3  # best head and tail candidates stitched together (pairs verified: at most 3 x 3)
+
+
+def _kernel_ops(graph: KernelGraph) -> int:
+    return sum(op.kind != "input" for op in graph.ops)
+
+
+def _search_split(spec, cfg, engine_factory, verifier, start, deadline, stats, counters, found) -> str | None:
+    """Search the head and the tail of the spec's output split (mirage_serve.search.split),
+    stitch their best candidates and verify every stitched graph against the whole spec.
+    Returns the hash of the best candidate found (None when there is no split or none verified)."""
+    from mirage_serve.search.split import output_split, stitch
+
+    split = output_split(spec)
+    if split is None:
+        return None
+
+    def share(frac: float) -> float | None:
+        return None if deadline is None else max(1e-3, frac * (deadline - time.monotonic()))
+
+    def sub_search(sub: KernelGraph, frac: float, max_ops: int) -> list[KernelGraph]:
+        if max_ops < 1:
+            return []
+        if deadline is not None and time.monotonic() >= deadline:
+            counters.truncated = True
+            return []
+        sub_cfg = cfg.replace(time_budget_s=share(frac), max_kernel_ops=max_ops)
+        res = superoptimize(sub, sub_cfg, engine_factory=engine_factory, verifier=verifier)
+        s = res.stats
+        counters.enumerated += s.enumerated
+        counters.pruned_abstract += s.pruned_abstract
+        counters.pruned_other += s.pruned_other
+        counters.block_nodes += s.block_nodes
+        counters.structures += s.structures
+        counters.truncated |= not s.complete
+        return [c.graph for c in res.candidates[:SPLIT_CANDIDATES]]
+
+    # a stitched graph has the head's kernel operators plus the tail's: together within max_kernel_ops
+    body = [op for op in split.head.ops if op.kind != "input"]
+    if len(body) == 1:
+        heads = [split.head]  # one pre-defined operator: its plain form is the graph
+    else:
+        heads = sub_search(split.head, SPLIT_HEAD_SHARE, cfg.max_kernel_ops - 1) or [split.head]
+    tail_ops = cfg.max_kernel_ops - min(_kernel_ops(h) for h in heads)
+    tails = sub_search(split.tail, SPLIT_TAIL_SHARE, tail_ops)
+    log.info("output split at output %d: %d head and %d tail candidates to stitch", split.output_index, len(heads), len(tails))
+    best_hash = None
+    for h in heads:
+        for t in tails:
+            if _kernel_ops(h) + _kernel_ops(t) > cfg.max_kernel_ops:
+                continue
+            g = stitch(spec, split, h, t)
+            key = content_hash(g)
+            if key in found:
+                continue
+            try:
+                cert = verifier(g, spec, trials=cfg.trials, seed=cfg.seed, float_check=cfg.float_check)
+            except Exception as e:  # a verifier failure must never let a candidate through
+                log.warning("verification of a stitched candidate failed (%s: %s); not kept", type(e).__name__, e)
+                cert = None
+            if getattr(cert, "verdict", None) != "equivalent":
+                stats.rejected += 1
+                continue
+            stats.verified += 1
+            now = time.monotonic() - start
+            if stats.time_to_first_s is None:
+                stats.time_to_first_s = now
+            cost = graph_cost(g, cfg.target)
+            found[key] = Candidate(g, cert, cost.seconds, cost, key)
+            cur = min(found.values(), key=lambda c: (c.cost, c.hash)).hash
+            if cur != best_hash:
+                best_hash = cur
+                stats.time_to_best_s = now
+    return best_hash
 
 
 def _run_level(states, level, final, spec, cfg, runner, vocab, counters, stats, found, seen_structures, start, over,
