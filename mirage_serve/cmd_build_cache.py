@@ -325,6 +325,14 @@ def reinstantiate(graph: Any, spec: Any, config: Any) -> list[Any]:
     return [g for _, g in found[: config.instantiations_per_structure]]
 
 
+def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None) -> list[Any] | None:
+    """The structures to seed a bucket with: its family's own first, then those verified for other
+    families of the same spec (a structure verified at batch 1 may fit batch 1 only); None if none."""
+    own = list(family_seeds or [])
+    out = own + [g for g in spec_seeds or [] if g not in own]
+    return out or None
+
+
 def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str) -> tuple[list[Found], dict[str, Any]]:
     """Verified μGraphs for ``spec`` from the structures verified at another bucket.
 
@@ -346,8 +354,12 @@ def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptio
     order = [r.graph for r in rank_candidates(list(graphs.values()), device="cpu", spec=spec)] if device == "cpu" else list(graphs.values())
     out: list[Found] = []
     for g in order:
-        cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
-        if _verdict(cert) == "equivalent":
+        try:
+            cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
+        except (MemoryError, RuntimeError) as e:  # e.g. a structure whose tiles at these shapes do not fit in memory
+            log.warning("verification of a seeded candidate failed (%s: %s); not kept", type(e).__name__, str(e)[:200])
+            cert = None
+        if cert is not None and _verdict(cert) == "equivalent":
             out.append(Found(g, cert, "seeded"))
             if len(out) >= opts.seeded_verified:
                 break
@@ -427,8 +439,9 @@ def record_no_fusion(cache: Any, key: Any, time_budget_s: float, message: str) -
 def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None = None) -> ItemResult:
     """Run one work item through lookup -> search (or seeded re-instantiation) -> verify -> codegen -> tune -> write.
 
-    ``seeds``: μGraphs verified for another bucket of the same family; when given and one of
-    them re-verifies at this bucket's shapes, the full search is skipped.
+    ``seeds``: μGraphs verified for other buckets of the same family (then other families of the
+    same spec); when given and one of them re-verifies at this bucket's shapes, the full search is
+    skipped.
     """
     t0 = time.perf_counter()
     sg = item.subgraph
@@ -635,8 +648,7 @@ def run(args: argparse.Namespace) -> int:
                     results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form for "
                                                                          f"{unfusable[kind]} (--no-seed searches every bucket)"))
                     continue
-                r = build_item(item, cache, arch, opts,
-                               seeds=None if args.no_seed else seeds.get(family) or spec_seeds.get(kind))
+                r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds_for(seeds.get(family), spec_seeds.get(kind)))
                 results.append(r)
                 if r.graphs and family not in seeds:
                     seeds[family] = r.graphs

@@ -190,3 +190,17 @@ def test_a_spec_without_a_fused_form_runs_the_original_code(capsys, tmp_path, mo
     (tmp_path / "c" / "searches" / "x.json").write_text("{not json")  # foreign files are ignored
     rc, _ = run_json(capsys, "--batch-sizes", "1", "--only", "attn_norm_qkv", "--rebuild", "--cache-dir", str(tmp_path / "c"))
     assert rc == 0 and len(calls) == 3
+
+
+def test_a_bucket_is_seeded_from_its_family_first_then_from_other_families():
+    from mirage_serve.search.config import SearchConfig
+    from mirage_serve.specs import build_spec
+    from tests.handwritten import fused_rmsnorm_linear
+
+    own, other = fused_rmsnorm_linear(1, 256, 128, n_blocks=4, loop=2), fused_rmsnorm_linear(1, 256, 64, n_blocks=2, loop=2)
+    assert cmd_build_cache.seeds_for([own], [own, other]) == [own, other]
+    assert cmd_build_cache.seeds_for(None, [other]) == [other]
+    assert cmd_build_cache.seeds_for([], None) is None
+    # the other family's structure re-instantiates at this family's shapes
+    spec = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 256, "out": 128}, "float32")
+    assert cmd_build_cache.reinstantiate(other, spec, SearchConfig())
