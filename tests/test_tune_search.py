@@ -21,7 +21,8 @@ def test_initial_params_follow_the_rows_of_the_tile_matmuls():
     b8 = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 32, dtype="bfloat16"))  # 8 x 16 x 128 product fits
     assert b8 == [{"matmul": "fma"}, dot, swapped]
     big = space.initial_params(split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16"))  # 4 x 64 x 128 would spill
-    assert big == [{**dot, "pdl": 1}]  # two kernels: launches overlap; no swapped MMA into softmax's max
+    # two kernels: launches overlap; no swapped MMA into softmax's max; partials and combine also as one launch
+    assert big == [{**dot, "pdl": 1}, {**dot, "pdl": 1, "fused_combine": 1}]
     assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2))[-1] == {"matmul": "dot", "num_stages": 3, "dot_swap": 1}
 
 

@@ -39,6 +39,11 @@ class CodegenParams:
     * ``pdl``: 1 launches every kernel with programmatic dependent launch
       (Hopper and newer): a kernel's launch overlaps the tail of the one before
       it and waits (``griddepcontrol.wait``) before touching memory.
+    * ``fused_combine``: 1 runs a graph of two kernels, partials then their combine (split-KV
+      attention, split-K), as one launch: each program of the first writes its partials, then
+      counts itself in on an atomic counter of its group (the programs whose partials one combine
+      program reads); the last to arrive runs the combine programs of that group. Only for graphs
+      of that form (:func:`mirage_serve.codegen.runtime.fusable_combine`).
     """
 
     num_warps: int = 4
@@ -50,6 +55,7 @@ class CodegenParams:
     dot_swap: int = 0
     k_chunks: int = 1
     pdl: int = 0
+    fused_combine: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -62,8 +68,8 @@ class CodegenParams:
             raise CodegenError(f"CodegenParams.num_stages={self.num_stages}; use 1..8")
         if self.dot_min_rows < 1:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
-        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1):
-            raise CodegenError("CodegenParams.dot_swap and .pdl are 0 or 1")
+        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1) or self.fused_combine not in (0, 1):
+            raise CodegenError("CodegenParams.dot_swap, .pdl and .fused_combine are 0 or 1")
         if self.k_chunks < 1 or self.k_chunks & (self.k_chunks - 1):
             raise CodegenError(f"CodegenParams.k_chunks={self.k_chunks}; use a power of two >= 1")
 
@@ -85,4 +91,7 @@ class CodegenParams:
 
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+        d = self.to_dict()
+        if not d["fused_combine"]:  # keys of points without it stay as they were before the knob existed
+            del d["fused_combine"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ import torch
 
 from mirage_serve.codegen.analysis import ExtentInfo, RowInfo, extent_info, row_info
 from mirage_serve.codegen.params import CodegenError, CodegenParams
-from mirage_serve.codegen.triton_gen import KernelSource, generate_kernel, interpreter_fast_max
+from mirage_serve.codegen.triton_gen import KernelSource, generate_fused_combine, generate_kernel, interpreter_fast_max
 from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
 from mirage_serve.reference import TORCH_DTYPES, FloatAlgebra, apply_op
 
@@ -46,8 +47,89 @@ log = logging.getLogger(__name__)
 class _Plan:
     rows: RowInfo
     storage: tuple[str, ...]  # storage dtype per kernel tensor
-    kernels: tuple[KernelSource | None, ...]  # per kernel op
+    kernels: tuple[KernelSource | None, ...]  # per kernel op (None: a torch op, or a combine fused into the kernel before)
     extents: ExtentInfo
+    fused: tuple[tuple[int, int], ...] = ()  # (partials kernel op, its combine op) run as one launch
+
+
+@dataclass(frozen=True)
+class CombineFusion:
+    """How a partials kernel and its combine become one launch (see ``CodegenParams.fused_combine``)."""
+
+    first: int  # kernel op index of the partials kernel
+    second: int  # kernel op index of the combine
+    links: dict[int, int]  # combine grid dim -> partials grid dim with the same program index
+    free: dict[int, int]  # the combine's other grid dims (> 1) -> size: the last program of a group loops over them
+    sources: tuple[int, ...]  # per combine input: which output of the partials kernel it is
+    groups: tuple[int, ...]  # partials grid dims (> 1) that some output maps: one counter per index along them
+    partial_programs: int  # programs of one group (the product of the grid dims no output maps)
+
+
+def fusable_combine(graph: KernelGraph) -> tuple[CombineFusion | None, str]:
+    """Whether ``graph`` is a partials kernel followed by a combine kernel that can run as one launch.
+
+    It can when the graph's only kernels are two customized operators; the second reads only the
+    first's outputs, which nothing else reads; the first's grid dims are either partial (no output
+    maps them) or mapped by every output; and every combine program reads the partials of exactly one
+    group (one index along the mapped dims): each mapped dim is matched by a combine grid dim of the
+    same size that every combine input maps to the same tensor dim, no combine grid dim splits a
+    partial dim, and its other grid dims split only dims the first kernel does not split."""
+    ops = graph.ops
+    kernels = [i for i, op in enumerate(ops) if op.kind == "customized"]
+    if len(kernels) != 2 or any(op.kind not in ("input", "customized") for op in ops):
+        return None, "fused_combine needs a graph of exactly two customized kernels (partials, then their combine) and no other kernel ops"
+    i1, i2 = kernels
+    op1, op2 = ops[i1], ops[i2]
+    start1 = graph.tensor_producers.index((i1, 0))
+    outs1 = list(range(start1, start1 + op1.num_outputs))
+    if any(t not in outs1 for t in op2.inputs):
+        return None, "fused_combine: the second kernel reads tensors other than the first kernel's outputs"
+    if any(t in graph.outputs for t in outs1) or any(t in outs1 for op in ops if op is not op2 for t in op.inputs):
+        return None, "fused_combine: the first kernel's outputs are read by something other than the combine"
+    if graph.tensor_producers.index((i2, 0)) != start1 + op1.num_outputs:
+        return None, "fused_combine: the combine's outputs must follow the first kernel's in tensor order"
+    b1, b2 = op1.block, op2.block
+    partial = [g for g, n in enumerate(b1.grid) if n > 1 and all(bo.output_map[g] == -1 for bo in b1.outputs)]
+    groups = [g for g, n in enumerate(b1.grid) if n > 1 and g not in partial]
+    if not partial:
+        return None, "fused_combine: the first kernel writes no partial results (every grid dim is mapped by an output)"
+    if any(bo.output_map[g] == -1 for bo in b1.outputs for g in groups):
+        return None, "fused_combine: a grid dim of the first kernel is mapped by some outputs and not others"
+    n_p = len(partial)
+    links: dict[int, int] = {}
+    free: dict[int, int] = {}
+    sources = []
+    for bi in b2.inputs:
+        o = op2.inputs[bi.source] - start1
+        sources.append(o)
+        dim_of = {n_p + b1.outputs[o].output_map[g]: g for g in groups}  # tensor dim -> the first kernel's grid dim splitting it
+        for g2, n in enumerate(b2.grid):
+            if n <= 1:
+                continue
+            d = bi.input_map[g2]
+            if d == -1:
+                continue
+            if d < n_p:
+                return None, "fused_combine: a combine grid dim splits the partial dims"
+            g1 = dim_of.get(d)
+            if g1 is None:
+                if g2 in links:
+                    return None, f"fused_combine: combine grid dim {g2} splits different dims in different inputs"
+                free[g2] = n
+            elif b1.grid[g1] != n or links.get(g2, g1) != g1 or g2 in free:
+                return None, f"fused_combine: combine grid dim {g2} does not line up with the first kernel's grid dim {g1}"
+            else:
+                links[g2] = g1
+        mapped = {bi.input_map[g2] for g2 in links if b2.grid[g2] > 1}
+        if any(d not in mapped for d in dim_of):
+            return None, "fused_combine: a combine program reads the partials of more than one group"
+    if set(links.values()) != set(groups):
+        return None, "fused_combine: some grid dim of the first kernel has no combine grid dim to match"
+    # a combine grid dim counted free must also be free (or replicated) in every input
+    for g2 in free:
+        if g2 in links:
+            return None, f"fused_combine: combine grid dim {g2} splits different dims in different inputs"
+    return CombineFusion(i1, i2, links, free, tuple(sources), tuple(groups), math.prod(b1.grid[g] for g in partial)), ""
 
 
 def _plan(graph: KernelGraph, params: CodegenParams, variable_dims: tuple[tuple[int, int], ...] = ()) -> _Plan:
@@ -65,35 +147,40 @@ def _plan(graph: KernelGraph, params: CodegenParams, variable_dims: tuple[tuple[
             for j, bo in enumerate(op.block.outputs):
                 if any(g > 1 and bo.output_map[gd] == -1 for gd, g in enumerate(op.block.grid)):
                     storage[start + j] = "float32"
+    fusion = None
+    if params.fused_combine:
+        fusion, why = fusable_combine(graph)
+        if fusion is None:
+            raise CodegenError(why)
     kernels: list[KernelSource | None] = []
     graph_inputs = set(graph.input_ids)
     n_kernels = 0
-    for i, op in enumerate(graph.ops):
-        if op.kind != "customized":
-            kernels.append(None)
-            continue
+
+    def gen_args(i: int, op, first: bool) -> dict:
         start = graph.tensor_producers.index((i, 0))
         outs = list(range(start, start + op.num_outputs))
-        kernels.append(
-            generate_kernel(
-                f"mirage_kernel_{n_kernels}",
-                op,
-                [info[t] for t in op.inputs],
-                [storage[t] for t in op.inputs],
-                [rdims[t] for t in op.inputs],
-                [info[t] for t in outs],
-                [storage[t] for t in outs],
-                [rdims[t] for t in outs],
-                params,
-                f"kernel op {i}",
-                [ext.dims[t] for t in op.inputs],
-                [ext.dims[t] for t in outs],
-                # graph inputs, in kernels after the first: written before the kernel before this one passed its wait
-                frozenset(p for p, t in enumerate(op.inputs) if t in graph_inputs) if n_kernels else frozenset(),
-            )
-        )
+        return dict(op=op, arg_infos=[info[t] for t in op.inputs], arg_storage=[storage[t] for t in op.inputs],
+                    arg_rows=[rdims[t] for t in op.inputs], out_infos=[info[t] for t in outs], out_storage=[storage[t] for t in outs],
+                    out_rows=[rdims[t] for t in outs], where=f"kernel op {i}", arg_ext=[ext.dims[t] for t in op.inputs],
+                    out_ext=[ext.dims[t] for t in outs],
+                    # graph inputs, in kernels after the first: written before the kernel before this one passed its wait
+                    early_inputs=frozenset(p for p, t in enumerate(op.inputs) if t in graph_inputs) if not first else frozenset())
+
+    for i, op in enumerate(graph.ops):
+        if op.kind != "customized" or (fusion is not None and i == fusion.second):
+            kernels.append(None)
+            continue
+        name = f"mirage_kernel_{n_kernels}"
+        if fusion is not None and i == fusion.first:
+            j = fusion.second
+            kernels.append(generate_fused_combine(name, gen_args(i, op, n_kernels == 0), gen_args(j, graph.ops[j], False), fusion.links,
+                                                  fusion.free, list(fusion.sources), fusion.groups, fusion.partial_programs, params))
+        else:
+            a = gen_args(i, op, n_kernels == 0)
+            where = a.pop("where")
+            kernels.append(generate_kernel(name, a.pop("op"), params=params, where=where, **a))
         n_kernels += 1
-    return _Plan(rows, tuple(storage), tuple(kernels), ext)
+    return _Plan(rows, tuple(storage), tuple(kernels), ext, ((fusion.first, fusion.second),) if fusion else ())
 
 
 def supports(graph: KernelGraph, params: CodegenParams | None = None, variable_dims: tuple[tuple[int, int], ...] = ()) -> tuple[bool, str]:
@@ -193,6 +280,7 @@ class CompiledGraph:
         self._fns: dict[int, object] = {}
         self._len_tensors: dict[tuple, torch.Tensor] = {}
         self._launched: dict[int, object] = {}  # kernel op -> Triton's compiled kernel, after its first launch
+        self._counters: dict[str, torch.Tensor] = {}  # device -> the group counters of a fused combine (zero between launches)
         info = graph.info
         self.input_shapes = tuple(info[t].shape for t in graph.input_ids)
         self.input_dtypes = tuple(info[t].dtype for t in graph.input_ids)
@@ -291,6 +379,13 @@ class CompiledGraph:
         return [{"kernel": self._plan.kernels[i].name, "registers": num(k, "n_regs"), "spills": num(k, "n_spills"),
                  "shared_bytes": num(getattr(k, "metadata", None), "shared")} for i, k in sorted(self._launched.items())]
 
+    def _counter(self, device: torch.device, n: int) -> torch.Tensor:
+        """The fused combine's group counters on ``device``: zeroed once, reset by the kernel after each use."""
+        c = self._counters.get(str(device))
+        if c is None or c.numel() < n:
+            c = self._counters[str(device)] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+        return c
+
     def _lengths_for(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A device int32 tensor of the extent sizes (all positions valid), kept per size."""
         key = (sizes, str(device))
@@ -323,21 +418,31 @@ class CompiledGraph:
             launch["launch_pdl"] = True
         vals: list[torch.Tensor] = []
         n_in = 0
+        fused_into = {b: a for a, b in self._plan.fused}
+        pending: list[torch.Tensor] = []  # outputs of a combine fused into the kernel before, allocated for its launch
         for i, op in enumerate(self.graph.ops):
             if op.kind == "input":
                 x = tensors[n_in]
                 vals.append(x if x.is_contiguous() else x.contiguous())
                 n_in += 1
+            elif op.kind == "customized" and i in fused_into:
+                vals.extend(pending)
+                pending = []
             elif op.kind == "customized":
                 src = self._plan.kernels[i]
                 start = len(vals)
                 make = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=device)) if poison else (
                     lambda shape, dt: torch.empty(shape, dtype=dt, device=device))
                 outs = [make(shapes[start + j], TORCH_DTYPES[storage[start + j]]) for j in range(op.num_outputs)]
+                extra: list[torch.Tensor] = []
+                if src.combine_outputs:
+                    nxt = start + op.num_outputs  # the combine's outputs follow these in tensor order
+                    pending = [make(shapes[nxt + j], TORCH_DTYPES[storage[nxt + j]]) for j in range(src.combine_outputs)]
+                    extra = [*pending, self._counter(device, src.counters)]
                 grid = tuple(
                     -(-n // rp) if rp and self.variable_batch else g for g, rp in zip(src.grid, src.rows_per_program, strict=True)
                 )
-                args = [vals[t] for t in op.inputs] + outs
+                args = [vals[t] for t in op.inputs] + outs + extra
                 if src.uses_n_rows:
                     args.append(n)
                 for e in src.extents:

@@ -29,6 +29,7 @@ sums) are refused over such a class.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from mirage_serve.codegen.analysis import block_dims
@@ -101,6 +102,10 @@ class KernelSource:
     rows_per_program: tuple[int, ...]
     extents: tuple[int, ...] = ()  # variable extents this kernel takes (n_ext<e>, ext<e>_ptr), in order
     pdl: bool = False  # launch with programmatic dependent launch
+    # a partials kernel with its combine fused in (``fused_combine``): after its own outputs it takes the
+    # combine's outputs (this many) and an int32 counter per group of programs (this many), zero between launches
+    combine_outputs: int = 0
+    counters: int = 0
 
 
 @dataclass
@@ -176,6 +181,13 @@ class _Gen:
         self.n_in = len(self.block.inputs)
         self.lines: list[str] = []
         self.uses_n_rows = False
+        # set by generate_fused_combine: a callee body (program ids as arguments, partials read through L2),
+        # or a partials kernel with lines after its stores and extra pointer arguments
+        self.body_mode = False
+        self.tail: list[str] = []
+        self.extra_args: list[tuple[str, str]] = []
+        self.force_n_rows = False
+        self.force_extents: tuple[int, ...] = ()
         self.uses_max = False  # emit the MAX_COMBINE helper
         dtypes = {i.dtype for i in arg_infos}
         self.low = next((d for d in ("bfloat16", "float16") if d in dtypes), None)
@@ -392,16 +404,16 @@ class _Gen:
         phases = [info.phase for info in self.tiles]
         deferred = self._deferred(phases)
         wait_late = deferred is not None
-        if self.params.pdl:  # wait for the kernel before (its outputs, and its reads of our outputs), then let the next one launch
+        if self.params.pdl and not self.body_mode:  # wait for the kernel before (its outputs, and its reads of our outputs), then let the next one launch
             if not wait_late:
                 self.emit("tl.extra.cuda.gdc_wait()")
             self.emit("tl.extra.cuda.gdc_launch_dependents()")
         deferred = deferred or set()
-        extents = sorted({e for m in self.arg_ext + self.out_ext for e in m.values()} | set(self.dyn.values()))
+        extents = sorted({e for m in self.arg_ext + self.out_ext for e in m.values()} | set(self.dyn.values()) | set(self.force_extents))
         for e in extents:
             self.emit(f"v_ext{e} = tl.minimum(tl.load(ext{e}_ptr), n_ext{e})")
         for g, size in enumerate(blk.grid):
-            if size > 1:
+            if size > 1 and not self.body_mode:
                 self.emit(f"pid{g} = tl.program_id({g})")
         for c, size in enumerate(self.bd.size):
             self.emit(f"r{c} = tl.arange(0, {self.pad[c]})")
@@ -460,19 +472,26 @@ class _Gen:
         rows_per_program = [0] * len(blk.grid)
         for j, bo in enumerate(blk.outputs):
             self._emit_store(j, bo, post[bo.tensor])
+        body.extend(self.tail)
         if self.params.shrink_grid:
             rows_per_program = self._shrinkable()
         args = [f"in{j}_ptr" for j in range(len(self.arg_infos))] + [f"out{j}_ptr" for j in range(len(self.out_infos))]
         sig = {f"in{j}_ptr": PTR_TYPES[s] for j, s in enumerate(self.arg_storage)}
         sig.update({f"out{j}_ptr": PTR_TYPES[s] for j, s in enumerate(self.out_storage)})
+        for a, ty in self.extra_args:
+            args.append(a)
+            sig[a] = ty
+        self.uses_n_rows = self.uses_n_rows or self.force_n_rows
         if self.uses_n_rows:
             args.append("n_rows")
             sig["n_rows"] = "i32"
         for e in extents:
             args += [f"n_ext{e}", f"ext{e}_ptr"]
             sig[f"n_ext{e}"], sig[f"ext{e}_ptr"] = "i32", "*i32"
+        if self.body_mode:
+            args += [f"pid{g}" for g, size in enumerate(blk.grid) if size > 1]
         deco = "@triton.jit"
-        if extents:  # a size in strides only: one compiled kernel for every length
+        if extents and not self.body_mode:  # a size in strides only: one compiled kernel for every length
             deco = "@triton.jit(do_not_specialize=[" + ", ".join(f'"n_ext{e}"' for e in extents) + "])"
         head = [deco, f"def {self.name}({', '.join(args)}):", f'    """{self.where}: grid {list(blk.grid)}, forloop_range {rng}.']
         def note(rows, ext) -> str:
@@ -483,7 +502,8 @@ class _Gen:
         for j, info in enumerate(self.out_infos):
             head.append(f"    out{j}: {list(info.shape)} {self.out_storage[j]}" + note(self.out_rows[j], self.out_ext[j]))
         head.append('    """')
-        text = (_MAX_COMBINE_SRC if self.uses_max else "") + "\n".join(head + body) + "\n"
+        self.fn_text = "\n".join(head + body) + "\n"
+        text = (_MAX_COMBINE_SRC if self.uses_max else "") + self.fn_text
         return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl))
 
     def _deferred(self, phases: list[str]) -> set[int] | None:
@@ -595,6 +615,8 @@ class _Gen:
         m = f", mask={full}, other=0.0" if full else ""
         raw = j in self.raw_loads
         cast = "" if self.arg_storage[src] == "float32" or raw else ".to(tl.float32)"
+        if self.body_mode:  # other programs of this launch wrote it: read through L2 (no stale L1 line)
+            m += ', cache_modifier=".cg"'
         self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
         return _Val(f"t{j}", self._load_dims[j], True, raw)
 
@@ -854,6 +876,14 @@ def generate_kernel(
     before it (graph inputs, in a kernel that is not the graph's first)."""
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
+    return _build_gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext,
+                      early_inputs).generate()
+
+
+def _build_gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext=None, out_ext=None,
+               early_inputs=frozenset()) -> _Gen:
+    if op.block is None:
+        raise CodegenError(f"{where}: customized operator without a block graph")
     gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs)
     f = params.k_chunks
     if f > 1 and any(bi.forloop_dim != -1 for bi in op.block.inputs):
@@ -864,4 +894,53 @@ def generate_kernel(
                        early_inputs)
         except MuGraphError as e:
             raise CodegenError(f"{where}: k_chunks={f} does not divide the loop tiles: {e}") from e
-    return gen.generate()
+    return gen
+
+
+def generate_fused_combine(name: str, first: dict, second: dict, links: dict[int, int], free: dict[int, int], sources: list[int],
+                           groups: tuple[int, ...], partial_programs: int, params: CodegenParams) -> KernelSource:
+    """One kernel for a partials kernel and the combine kernel that reads only its outputs (``fused_combine``).
+
+    ``first`` / ``second``: :func:`generate_kernel`'s arguments (less name and params) for the two.
+    ``links``: combine grid dim -> partials grid dim whose program index it shares; ``free``: the
+    combine's other grid dims (> 1) -> size; ``sources``: per combine kernel input, the partials
+    output it is; ``groups``: the partials grid dims (> 1) that combine programs are linked to (a
+    group is one index along them); ``partial_programs``: programs a group (the product of the
+    partial grid dims). The combine becomes a ``@triton.jit`` callee with its program ids as
+    arguments, called by the last program of a group to count itself in on ``cnt_ptr`` for each
+    index along the free dims (unrolled); that program resets the counter for the next launch."""
+    g2 = _build_gen(f"{name}_combine", params=dataclasses.replace(params, pdl=0), **second)
+    g2.body_mode = True
+    src2 = g2.generate()
+    g1 = _build_gen(name, params=params, **first)
+    n_out2 = len(second["out_infos"])
+    g1.extra_args = [(f"cout{j}_ptr", PTR_TYPES[s]) for j, s in enumerate(second["out_storage"])] + [("cnt_ptr", "*i32")]
+    g1.force_n_rows = src2.uses_n_rows
+    g1.force_extents = src2.extents
+    grid1 = first["op"].block.grid
+    grp, stride = [], 1
+    for g in reversed(groups):
+        grp.append(f"pid{g}" if stride == 1 else f"pid{g} * {stride}")
+        stride *= grid1[g]
+    call = [f"out{s}_ptr" for s in sources] + [f"cout{j}_ptr" for j in range(n_out2)]
+    if src2.uses_n_rows:
+        call.append("n_rows")
+    for e in src2.extents:
+        call += [f"n_ext{e}", f"ext{e}_ptr"]
+    grid2 = second["op"].block.grid
+    call += [f"pid{links[g]}" if g in links else f"f{g}" for g, size in enumerate(grid2) if size > 1]
+    tail = ["    tl.debug_barrier()  # every thread of this program has stored its partials",
+            f"    grp = {' + '.join(reversed(grp)) if grp else '0'}",
+            "    arrived = tl.atomic_add(cnt_ptr + grp, 1)  # acq_rel at GPU scope: the partials of those before are visible",
+            f"    if arrived == {partial_programs - 1}:",
+            "        tl.atomic_xchg(cnt_ptr + grp, 0)  # the last of its group: reset for the next launch, then combine"]
+    depth = 2
+    for g, size in sorted(free.items()):
+        tail.append("    " * depth + f"for f{g} in tl.static_range({size}):")  # unrolled: all parts' loads in flight at once
+        depth += 1
+    tail.append("    " * depth + f"{src2.name}({', '.join(call)})")
+    g1.tail = tail
+    src1 = g1.generate()
+    prefix = _MAX_COMBINE_SRC if (g1.uses_max or g2.uses_max) else '__name__ = "mirage_serve.codegen.generated"\n\n'
+    text = prefix + g2.fn_text + "\n\n" + g1.fn_text
+    return dataclasses.replace(src1, text=text, combine_outputs=n_out2, counters=math.prod(grid1[g] for g in groups))

@@ -17,6 +17,10 @@ follows from a few features of the graph, never from the benchmark case:
   (2026-12-03; the same kernels in the plain orientation, and with ``tl.max`` before, were right).
 * **launch overlap.** Graphs of more than one kernel start with programmatic
   dependent launch on (``pdl=1``); the neighbours turn it off.
+* **one launch for partials and their combine.** Where the graph is a partials kernel and a
+  combine that reads only its outputs (split-KV attention), every first-round point is also tried
+  with ``fused_combine=1`` (the last program of each group to finish runs the combine): it saves a
+  launch and the combine's wait at the price of a serial combine tail per group.
 * **neighbours** of a (graph, params) point change one knob each: warps 2↔4↔8,
   software-pipelining depth (2-5 stages), programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
@@ -54,8 +58,11 @@ def graph_features(graph: KernelGraph) -> dict[str, Any]:
                 rows = max(rows, m)
                 prod = max(prod, m * n * k)
     low = any(info[t].dtype in ("bfloat16", "float16") for t in graph.input_ids)
+    from mirage_serve.codegen.runtime import fusable_combine
+
     return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low,
-            "dot_into_max": any(_dot_into_max(op.block) for op in graph.ops if op.kind == "customized")}
+            "dot_into_max": any(_dot_into_max(op.block) for op in graph.ops if op.kind == "customized"),
+            "fusable_combine": kernels == 2 and fusable_combine(graph)[0] is not None}
 
 
 def _dot_into_max(block) -> bool:
@@ -90,6 +97,8 @@ def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
         out = ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, *swapped]
     if f["kernels"] > 1:  # overlapping each launch with the kernel before it paid at every multi-kernel point of the 2026-12-03 run
         out = [{**p, "pdl": 1} for p in out]
+    if f["fusable_combine"]:
+        out += [{**p, "fused_combine": 1} for p in out]
     return out
 
 
@@ -119,6 +128,8 @@ def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any
         with_(dot_swap=0 if p.get("dot_swap", 0) else 1)
     if f["max_loop"] >= 1 and p.get("k_chunks", 1) == 1:
         with_(k_chunks=2)
+    if f["fusable_combine"]:
+        with_(fused_combine=0 if p.get("fused_combine", 0) else 1)
     return out
 
 
@@ -132,4 +143,4 @@ def merge(base: dict[str, Any], better: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1}
+_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1, "fused_combine": 0}
