@@ -110,11 +110,12 @@ def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps
     """One kernel over the whole K (few columns a program, long K chunks for one row: GEMV-shaped;
     32-128 columns and 128-512 long chunks for tile matmuls: the weight tile is the MMA's M side; 16
     columns lost at every batch >= 8 of the 2026-12-03 runs, and at batch 32 fewer, longer chunks won
-    by 2x), and split-K partials with a combine kernel."""
+    by 2x; 48 columns, padded to 64 in registers, where the output divides: at 6144 that is 128
+    programs, one wave on 132 SMs, against 96 for 64 columns), and split-K partials with a combine kernel."""
     cs: list[Candidate] = []
     gemv = batch == 1
-    tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (64, 128), (64, 256), (64, 512), (128, 128),
-                                                                       (128, 256))
+    tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (48, 128), (48, 256), (48, 512), (64, 128),
+                                                                       (64, 256), (64, 512), (128, 128), (128, 256))
     for c, kc in tiles:
         if _divides(out, c) and _divides(hidden, kc):
             cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, eps=eps, dtype=dtype),
@@ -134,16 +135,17 @@ ATTENTION_VARIABLE_DIMS = ((1, 1), (2, 1))  # K and V: the KV length may be any 
 
 
 def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int, kv_len: int, dtype: str) -> list[Candidate]:
-    """Flash-decoding split-KV schedules with 64-1024 programs, 32, 64 or 128 keys an iteration, the
+    """Flash-decoding split-KV schedules with 32-1024 programs, 32, 64 or 128 keys an iteration, the
     combine over head-dim quarters (4 programs a KV head; faster than one at every shape of the
     2026-12-03 H200 run) and, where that leaves it fewer than 64 programs, also eighths; every one
-    serves any KV length up to ``kv_len``."""
+    serves any KV length up to ``kv_len``. Fewer than 64 programs only at KV <= 1024 (for the one-launch
+    form, ``fused_combine``, whose serial combine per KV head grows with the splits)."""
     bk = batch * kv_heads
     cs: list[Candidate] = []
     d_splits = sorted({4, 8} if bk * 4 < 64 and head_dim % 8 == 0 else {4})
     for splits in (2, 4, 8, 16, 32, 64, 128):
         per = kv_len // splits
-        if not (64 <= bk * splits <= 1024) or kv_len % splits or per < 32 or (per < 256 and bk * splits < 128 and kv_len > 2048):
+        if not (32 <= bk * splits <= 1024) or (bk * splits < 64 and kv_len > 1024) or kv_len % splits or per < 32 or (per < 256 and bk * splits < 128 and kv_len > 2048):
             continue
         for keys in (32, 64, 128):
             if per % keys or head_dim % 4 or (keys == 32 and per > 256):
@@ -158,7 +160,10 @@ def attention_candidates(batch: int, q_heads: int, kv_heads: int, head_dim: int,
 def lora_candidates(batch: int, k: int, n: int, rank: int, dtype: str) -> list[Candidate]:
     """One kernel (X A^T accumulated in the main loop, A re-read by every program), and two kernels
     (split-K X A^T first; the GEMV over W streams while it runs and adds s (X A^T) B^T after its loop);
-    K chunks of 512 and 1024 (the two-kernel form won at every shape of the 2026-12-03 run)."""
+    K chunks of 512 and 1024 (the two-kernel form won at every shape of the 2026-12-03 run). At batch >= 8
+    the two-kernel form also with 4 and 2 X A^T programs instead of 16: the GEMV's epilogue then sums
+    4 or 2 partials of [batch, rank] instead of 16 (at batch 32, 128 KB a program after the loop, read
+    by all 128 programs), and the longer X A^T kernel still runs under the GEMV's loop (PDL)."""
     cs: list[Candidate] = []
     chunks = (512, 1024)
     for c, kc in itertools.product((8, 16, 32), chunks):
@@ -167,6 +172,10 @@ def lora_candidates(batch: int, k: int, n: int, rank: int, dtype: str) -> list[C
                 cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_lora(batch, k, n, rank, n // c, k // kc, dtype=dtype), "one kernel, A re-read per block"))
             cs.append(Candidate(f"2kernel c{c} k{kc}", two_kernel_lora(batch, k, n, rank, n // c, k // kc, 16, k // (16 * 256), dtype=dtype),
                                 "split-K X@A^T, then GEMV with low-rank epilogue"))
+            for xs in (4, 2) if batch >= 8 and c >= 16 else ():
+                if _divides(k, xs * 256):
+                    cs.append(Candidate(f"2kernel c{c} k{kc} xs{xs}", two_kernel_lora(batch, k, n, rank, n // c, k // kc, xs, k // (xs * 256), dtype=dtype),
+                                        f"{xs}-way split-K X@A^T, then GEMV with low-rank epilogue"))
     return cs
 
 
