@@ -168,3 +168,28 @@ def test_a_tile_the_abstraction_reduces_to_a_number_is_not_a_duplicate_source():
     # exemption the duplicate rule would remove the only safe combine
     first_mul = n_in + kinds.index(("binary", "mul"))
     assert engine.fingerprint(tiles[first_mul]) in {engine.fingerprint(e) for e in tiles[:n_in]}
+
+
+def test_final_operator_grids_only_over_output_labels():
+    """The operator producing the spec's outputs may not split a contracted label
+    over its grid (that makes partials): for decode attention, no grid dim along
+    the KV length or the head dim of Q·K, while the head and value dims stay."""
+    from mirage_serve.search.enumerate import final_grid_ok, prefix_graph
+    from mirage_serve.search.labels import kernel_labels
+
+    spec = build_spec("attention_decode", dict(batch=1, q_heads=4, kv_heads=2, head_dim=32, kv_len=64))
+    vocab = Vocabulary.from_spec(spec)
+    inputs = tuple(op for op in spec.ops if op.kind == "input")
+    g = prefix_graph(inputs)
+    infos, labels = list(g.info), kernel_labels(g, vocab.labels)
+    choices = map_choices(infos, 2, None, labels, vocab.labels)
+    final = [c for c in choices if final_grid_ok(c, labels, vocab.labels)]
+    assert 0 < len(final) < len(choices) / 2
+    kv, d_qk = labels[1][1], labels[0][2]
+    for c in choices:
+        gridded = {labels[j][m[gd]] for gd in range(len(c.grid)) for j, m in enumerate(c.input_maps) if m[gd] >= 0}
+        assert (c in final) == (not gridded & {kv, d_qk})
+    # the single-kernel flash form's choice (grid over batch*kv_heads, loop over the KV length) stays
+    assert any(c.input_maps == ((0,), (0,), (0,)) and c.forloop_dims == (-1, 1, 1) for c in final)
+    # the split-KV partial kernel's choice (grid also over the KV length) is not final
+    assert any(c.input_maps == ((0, -1), (0, 1), (0, 1)) and c not in final for c in choices)

@@ -520,9 +520,18 @@ def normal_form(e: Expr) -> Poly:
     hit = _NF_CACHE.get(e)
     if hit is not None:
         return hit
-    for t in e.subterms():
-        if t not in _NF_CACHE:
+    # post-order over the subterms not yet cached only (a new term is usually one
+    # operator on cached ones)
+    stack = [(e, False)]
+    while stack:
+        t, ready = stack.pop()
+        if t in _NF_CACHE:
+            continue
+        if ready:
             _NF_CACHE[t] = _nf_node(t, [_NF_CACHE[a] for a in t.args])
+            continue
+        stack.append((t, True))
+        stack.extend((a, False) for a in t.args if a not in _NF_CACHE)
     return _NF_CACHE[e]
 
 

@@ -532,6 +532,18 @@ def _labels_fit(combo, rank: int, labels: list, spec_lab: SpecLabels) -> bool:
     return len(loop) <= 1 and all(spec_lab.is_contracted(x) for x in loop)
 
 
+def final_grid_ok(choice: MapChoice, labels: list, spec_lab: SpecLabels) -> bool:
+    """In the operator that produces the spec's outputs, every grid dim must split
+    a label of those outputs: a grid dim along any other label (one the spec
+    contracts) makes partial results, which need a later operator to combine
+    them, and a kept dim of another label would not be in the output's shape."""
+    for g in range(len(choice.grid)):
+        for j, m in enumerate(choice.input_maps):
+            if m[g] >= 0 and not spec_lab.in_outputs(labels[j][m[g]]):
+                return False
+    return True
+
+
 def _check_maps(infos: list[TensorInfo], rank: int, combo) -> MapChoice | None:
     columns = []
     grid = []

@@ -85,6 +85,10 @@ class SpecLabels:
     def carriers(self, label: Label) -> frozenset[str]:
         return frozenset(name for name, labs in self.var_labels if label in labs)
 
+    def in_outputs(self, label: Label) -> bool:
+        """Does ``label`` index a dim of one of the spec's outputs (``None``: it may)?"""
+        return label is None or any(label in out for out in self.outputs)
+
     def is_contracted(self, label: Label) -> bool:
         if label is None or label in self.contracted:
             return True
