@@ -389,7 +389,7 @@ class KernelCache:
             rej.mkdir(exist_ok=True)
             if rej.is_symlink() or not rej.is_dir():
                 raise CacheError(f"{rej} is a symlink or not a directory; remove it so rejected entries can be kept there")
-            dest = rej / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.{secrets.token_hex(3)}"
+            dest = rej / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.{secrets.token_hex(8)}"
             os.replace(path, dest)  # moves a symlink itself, never its target
             (rej / (dest.name + ".reason")).write_text(reason + "\n", encoding="utf-8")
         return dest
