@@ -507,10 +507,10 @@ def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters
                 counters.pruned_abstract += 1
                 continue
             src_infos = [infos[s] for s in sources]
-            choices = map_choices(src_infos, cfg.max_grid_dims, counters, [labels[s] for s in sources], vocab.labels)
+            src_labels = [labels[s] for s in sources]
+            choices = map_choices(src_infos, cfg.max_grid_dims, counters, src_labels, vocab.labels)
             fitting = [c for c in choices if min_input_tile_bytes(c, src_infos, cfg) <= cfg.target.smem_per_block]
             if final and vocab.labels is not None:
-                src_labels = [labels[s] for s in sources]
                 fitting = [c for c in fitting if final_grid_ok(c, src_labels, vocab.labels)]
             counters.pruned_other += len(choices) - len(fitting)
             if not fitting:
