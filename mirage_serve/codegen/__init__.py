@@ -6,7 +6,7 @@ from mirage_serve.codegen.runtime import CompiledGraph, compile_for_target, comp
 
 #: Version of the code generator, part of every kernel-cache key: bump it whenever the
 #: source generated for the same μGraph and parameters changes, or a parameter is added.
-CODEGEN_VERSION = "3"
+CODEGEN_VERSION = "4"
 
 __all__ = [
     "CODEGEN_VERSION",

@@ -908,7 +908,7 @@ def generate_fused_combine(name: str, first: dict, second: dict, links: dict[int
     group is one index along them); ``partial_programs``: programs a group (the product of the
     partial grid dims). The combine becomes a ``@triton.jit`` callee with its program ids as
     arguments, called by the last program of a group to count itself in on ``cnt_ptr`` for each
-    index along the free dims (unrolled); that program resets the counter for the next launch."""
+    index along the free dims (unrolled); that program then resets the counter for the next launch."""
     g2 = _build_gen(f"{name}_combine", params=dataclasses.replace(params, pdl=0), **second)
     g2.body_mode = True
     src2 = g2.generate()
@@ -932,13 +932,15 @@ def generate_fused_combine(name: str, first: dict, second: dict, links: dict[int
     tail = ["    tl.debug_barrier()  # every thread of this program has stored its partials",
             f"    grp = {' + '.join(reversed(grp)) if grp else '0'}",
             "    arrived = tl.atomic_add(cnt_ptr + grp, 1)  # acq_rel at GPU scope: the partials of those before are visible",
-            f"    if arrived == {partial_programs - 1}:",
-            "        tl.atomic_xchg(cnt_ptr + grp, 0)  # the last of its group: reset for the next launch, then combine"]
+            f"    if arrived == {partial_programs - 1}:  # the last of its group: combine, then reset for the next launch"]
     depth = 2
     for g, size in sorted(free.items()):
         tail.append("    " * depth + f"for f{g} in tl.static_range({size}):")  # unrolled: all parts' loads in flight at once
         depth += 1
     tail.append("    " * depth + f"{src2.name}({', '.join(call)})")
+    # a plain store: nothing else touches this counter in this launch, and the next launch counts only after
+    # this one has finished (stream order, or its griddepcontrol.wait under programmatic dependent launch)
+    tail.append("        tl.store(cnt_ptr + grp, 0)")
     g1.tail = tail
     src1 = g1.generate()
     prefix = _MAX_COMBINE_SRC if (g1.uses_max or g2.uses_max) else '__name__ = "mirage_serve.codegen.generated"\n\n'
