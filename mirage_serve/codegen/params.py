@@ -44,6 +44,13 @@ class CodegenParams:
       counts itself in on an atomic counter of its group (the programs whose partials one combine
       program reads); the last to arrive runs the combine programs of that group. Only for graphs
       of that form (:func:`mirage_serve.codegen.runtime.fusable_combine`).
+    * ``late_ext_mask``: masks loads of a variable-extent dim (e.g. the KV length) only by the
+      tensor's size in memory (``n_ext``, a launch argument) instead of the valid length read from
+      ``ext_ptr``, so they issue without waiting for that read; positions past the valid length are
+      then excluded where they matter (zeroed in matmul operands and reductions over that dim, like
+      padding). 2: every such load; 1: only tiles that no operator reading them directly contracts
+      or reduces over that dim (K of decode attention, not V, which would be zeroed right after its
+      load). Such loads read up to the tensor's size, not the valid length.
     """
 
     num_warps: int = 4
@@ -56,6 +63,7 @@ class CodegenParams:
     k_chunks: int = 1
     pdl: int = 0
     fused_combine: int = 0
+    late_ext_mask: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -70,6 +78,8 @@ class CodegenParams:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
         if self.dot_swap not in (0, 1) or self.pdl not in (0, 1) or self.fused_combine not in (0, 1):
             raise CodegenError("CodegenParams.dot_swap, .pdl and .fused_combine are 0 or 1")
+        if self.late_ext_mask not in (0, 1, 2):
+            raise CodegenError(f"CodegenParams.late_ext_mask={self.late_ext_mask}; use 0, 1 or 2")
         if self.k_chunks < 1 or self.k_chunks & (self.k_chunks - 1):
             raise CodegenError(f"CodegenParams.k_chunks={self.k_chunks}; use a power of two >= 1")
 
@@ -92,6 +102,7 @@ class CodegenParams:
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""
         d = self.to_dict()
-        if not d["fused_combine"]:  # keys of points without it stay as they were before the knob existed
-            del d["fused_combine"]
+        for k in ("fused_combine", "late_ext_mask"):  # keys of points without them stay as they were before the knobs existed
+            if not d[k]:
+                del d[k]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]

@@ -198,6 +198,35 @@ class _Gen:
         self._plan_dots()
         self.pad = [max(_pow2(s), 16 if c in self.dot_classes else 1) for c, s in enumerate(self.bd.size)]
         self._plan_extents()
+        self.late_loads = self._plan_late_loads()
+        self.late_ext = bool(self.late_loads)
+
+    def _plan_late_loads(self) -> set[int]:
+        """Block inputs whose loads ``late_ext_mask`` bounds by the tensor's size instead of the valid
+        length: with 2 every input of a variable-extent class; with 1 those that no operator reading
+        the loaded tile directly contracts or reduces over such a class (a matmul over the KV
+        positions, say, which would otherwise zero it right after the load)."""
+        mode = self.params.late_ext_mask
+        if not mode or not self.dyn:
+            return set()
+        out = set()
+        for j in range(self.n_in):
+            mine = {c for c in self.bd.cls[j] if c in self.dyn}
+            if not mine:
+                continue
+            if mode == 1:
+                reduced = False
+                for op in self.block.ops:
+                    if j not in op.inputs:
+                        continue
+                    if op.kind == "matmul":
+                        reduced |= self.bd.cls[op.inputs[0]][-1] in mine
+                    elif op.kind in ("reduce", "accum"):
+                        reduced = True
+                if reduced:
+                    continue
+            out.add(j)
+        return out
 
     # ---- helpers -------------------------------------------------------------------------
     def _w(self, t: int) -> str:
@@ -316,10 +345,12 @@ class _Gen:
                 terms.append(f"pid{g}" if step == 1 else f"pid{g} * {step}")
         return terms
 
-    def dyn_mask_line(self, c: int) -> str:
+    def dyn_mask_line(self, c: int, bound: bool = False) -> str:
+        """``dm<c>``: positions of class ``c`` below the valid length; with ``bound``, ``bm<c>``: below
+        the tensor's size in memory (``late_ext_mask`` loads: no wait for the length read)."""
         base, step = self.dyn_base[c]
         pos = " + ".join(x for x in (base if base != "0" else "", f"i * {step}" if step is not None else "", f"r{c}") if x)
-        return f"dm{c} = ({pos}) < v_ext{self.dyn[c]}"
+        return f"bm{c} = ({pos}) < n_ext{self.dyn[c]}" if bound else f"dm{c} = ({pos}) < v_ext{self.dyn[c]}"
 
     def arange(self, c: int, target: tuple[int, ...]) -> str:
         """``tl.arange`` of class ``c`` expanded to the register classes ``target``."""
@@ -341,8 +372,8 @@ class _Gen:
             parts += [f"dm{c}" + self._index(p, len(cls)) for p, c in enumerate(cls) if c in self.dyn and (only is None or c in only)]
         return " & ".join(parts) if parts else None
 
-    def dyn_mask(self, cls: tuple[int, ...]) -> str | None:
-        parts = [f"dm{c}" + self._index(p, len(cls)) for p, c in enumerate(cls) if c in self.dyn]
+    def dyn_mask(self, cls: tuple[int, ...], bound: bool = False) -> str | None:
+        parts = [("bm" if bound else "dm") + f"{c}" + self._index(p, len(cls)) for p, c in enumerate(cls) if c in self.dyn]
         return " & ".join(parts) if parts else None
 
     def expand(self, v: _Val, vt: int, target: tuple[int, ...]) -> str:
@@ -424,6 +455,8 @@ class _Gen:
                 raise CodegenError(f"{self.where}: a variable-extent dim reaches an output without coming from an input; not supported")
             if self.dyn_base[c][1] is None:
                 self.emit(self.dyn_mask_line(c))
+                if self.late_ext:
+                    self.emit(self.dyn_mask_line(c, bound=True))
         loads = self._emit_load_setup()
         env: dict[int, _Val] = {}
         for j, bi in enumerate(blk.inputs):
@@ -442,6 +475,8 @@ class _Gen:
         for c in sorted(self.dyn):
             if self.dyn_base[c][1] is not None:
                 self.emit(self.dyn_mask_line(c), 2)
+                if self.late_ext:
+                    self.emit(self.dyn_mask_line(c, bound=True), 2)
         for j, bi in enumerate(blk.inputs):
             if bi.forloop_dim != -1:
                 loop_env[j] = self._emit_load(j, loads[j], 2)
@@ -589,7 +624,7 @@ class _Gen:
             if fd != -1:
                 s = strides[fd]
                 step = str(tile[fd]) if s == "1" else f"{tile[fd]} * {s}"
-            res.append((off, mask, step, self.dyn_mask(target)))
+            res.append((off, mask, step, self.dyn_mask(target, bound=j in self.late_loads)))
             self._load_dims = getattr(self, "_load_dims", {})
             self._load_dims[j] = dims
         return res
@@ -618,7 +653,8 @@ class _Gen:
         if self.body_mode:  # other programs of this launch wrote it: read through L2 (no stale L1 line)
             m += ', cache_modifier=".cg"'
         self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
-        return _Val(f"t{j}", self._load_dims[j], True, raw)
+        # late_ext_mask: positions past the valid length hold whatever the tensor holds there
+        return _Val(f"t{j}", self._load_dims[j], not (j in self.late_loads and dyn_mask), raw)
 
     def _emit_store(self, j: int, bo, v: _Val) -> None:
         blk = self.block
