@@ -133,3 +133,37 @@ def test_no_swapped_mma_where_a_max_reads_the_dot():
     assert not any(q.get("dot_swap") for p in first for q in space.neighbours(att, p))
     lin = fused_rmsnorm_linear(8, 64, 32, 2, 2, dtype="bfloat16")
     assert not space.graph_features(lin)["dot_into_max"] and any(p.get("dot_swap") for p in space.initial_params(lin))
+
+
+def test_late_ext_mask_is_offered_where_a_kernel_loads_a_variable_extent():
+    """One loop iteration over the KV length: every first-round point also with late_ext_mask=2;
+    several: only the neighbours try it; no variable extent: never."""
+    from mirage_serve.codegen import generate_source
+
+    var = ((1, 1), (2, 1))
+    one = split_kv_attention(1, 32, 8, 128, 1024, 32, 1, dtype="bfloat16", d_split=4)  # 32 keys a program, one iteration
+    assert space.graph_features(one, var)["variable_loop"] == 1 and space.graph_features(one)["variable_loop"] == 0
+    first = space.initial_params(one, var)
+    plain = [p for p in first if "late_ext_mask" not in p]
+    assert plain == space.initial_params(one) and [p for p in first if p not in plain] == [{**p, "late_ext_mask": 2} for p in plain]
+    for p in first:  # the knob changes the generated code where it is offered
+        if p.get("late_ext_mask"):
+            q = {k: v for k, v in p.items() if k != "late_ext_mask"}
+            assert generate_source(one, CodegenParams(**p), var) != generate_source(one, CodegenParams(**q), var)
+    assert {q.get("late_ext_mask", 0) for q in space.neighbours(one, first[0], var)} >= {1, 2}
+    assert {q.get("late_ext_mask") for q in space.neighbours(one, {**first[0], "late_ext_mask": 2}, var)} >= {None, 1}
+    four = split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16", d_split=2)  # 256 keys a program, four iterations
+    assert space.graph_features(four, var)["variable_loop"] == 4
+    assert not any("late_ext_mask" in p for p in space.initial_params(four, var))
+    n = space.neighbours(four, space.initial_params(four, var)[0], var)
+    assert {q.get("late_ext_mask") for q in n} >= {1, 2}
+    for q in n:
+        CodegenParams(**q)
+    assert space.merge({"pdl": 1}, [{"pdl": 1, "late_ext_mask": 2}, {"pdl": 1, "num_warps": 2}]) == {"pdl": 1, "late_ext_mask": 2, "num_warps": 2}
+    lin = fused_rmsnorm_linear(8, 1024, 512, 16, 4, dtype="bfloat16")
+    assert not any("late_ext_mask" in p for p in space.initial_params(lin) + space.neighbours(lin, {"matmul": "fma"}))
+    # the search passes each candidate's variable dims
+    cands = [search.Candidate("one", one, variable_dims=var), search.Candidate("fixed", one)]
+    r1 = search.first_round(cands)
+    assert any(t.params.get("late_ext_mask") == 2 for t in r1 if t.candidate.name == "one")
+    assert not any("late_ext_mask" in t.params for t in r1 if t.candidate.name == "fixed")

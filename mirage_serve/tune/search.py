@@ -234,7 +234,7 @@ class TuneResult:
 
 def first_round(candidates: Sequence[Candidate]) -> list[Trial]:
     """Round 1: each candidate with each of its initial parameter sets."""
-    return [Trial(c, p, 1) for c in candidates for p in space.initial_params(c.graph)]
+    return [Trial(c, p, 1) for c in candidates for p in space.initial_params(c.graph, c.variable_dims)]
 
 
 class Tuner:
@@ -278,7 +278,7 @@ class Tuner:
                 if math.isfinite(t.time_us) and (b is None or t.time_us < b.time_us):
                     best_per[id(t.candidate)] = t
             self._leaders = sorted(best_per.values(), key=lambda t: t.time_us)[: self.top]
-            return self._new([Trial(b.candidate, q, 2) for b in self._leaders for q in space.neighbours(b.candidate.graph, b.params)])
+            return self._new([Trial(b.candidate, q, 2) for b in self._leaders for q in space.neighbours(b.candidate.graph, b.params, b.candidate.variable_dims)])
         if self.round == 3:
             merged = []
             for b in self._leaders:

@@ -21,10 +21,17 @@ follows from a few features of the graph, never from the benchmark case:
   combine that reads only its outputs (split-KV attention), every first-round point is also tried
   with ``fused_combine=1`` (the last program of each group to finish runs the combine): it saves a
   launch and the combine's wait at the price of a serial combine tail per group.
+* **loads that do not wait for the valid length.** Where a kernel loads a graph input with a
+  variable extent (``variable_dims``: the KV length of decode attention), ``late_ext_mask`` bounds
+  those loads by the tensor's size instead of the length read from memory. With one loop iteration
+  a program the length read sits on the critical path, so every first-round point is also tried
+  with ``late_ext_mask=2`` (2026-12-04 H200: 5.2 -> 4.8 µs at KV 1k, 9.5 -> 8.2 at 4k); with
+  several iterations the read is hidden behind the first and zeroing V each iteration cost more
+  than it saved (8k: 14.1 against 13.6), so there only the neighbours try it (1 and 2).
 * **neighbours** of a (graph, params) point change one knob each: warps 2↔4↔8,
   software-pipelining depth (2-5 stages), programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
-  into chunks. :func:`mirage_serve.tune.search.tune` walks them from the best
+  into chunks, ``late_ext_mask`` where a kernel loads a variable-extent input. :func:`mirage_serve.tune.search.tune` walks them from the best
   points of a first round.
 """
 
@@ -38,17 +45,22 @@ from mirage_serve.mugraph.shapes import block_tile_infos
 DOT_NATIVE = {"matmul": "dot", "dot_precision": "input"}
 
 
-def graph_features(graph: KernelGraph) -> dict[str, Any]:
+def graph_features(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """Rows of the widest tile matmul, the largest broadcast product a GEMV-style lowering of a
-    tile matmul holds in registers, kernel count, loop ranges and 16-bit-ness of ``graph``."""
+    tile matmul holds in registers, kernel count, loop ranges and 16-bit-ness of ``graph``; with
+    ``variable_dims`` ((input position, dim) pairs, as for ``compile_graph``), ``variable_loop``: the
+    longest loop of a kernel that loads a variable-extent input (0: no kernel does)."""
     info = graph.info
-    rows, prod, loops, kernels = 0, 0, [], 0
+    var_inputs = {graph.input_ids[p] for p, _ in variable_dims if p < len(graph.input_ids)}
+    rows, prod, loops, kernels, var_loop = 0, 0, [], 0, 0
     for op in graph.ops:
         if op.kind != "customized":
             continue
         kernels += 1
         blk = op.block
         loops.append(blk.forloop_range)
+        if var_inputs & set(op.inputs):
+            var_loop = max(var_loop, blk.forloop_range)
         tiles = block_tile_infos(blk, [info[t] for t in op.inputs])
         for bop in blk.ops:
             if bop.kind == "matmul":
@@ -62,7 +74,7 @@ def graph_features(graph: KernelGraph) -> dict[str, Any]:
 
     return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low,
             "dot_into_max": any(_dot_into_max(op.block) for op in graph.ops if op.kind == "customized"),
-            "fusable_combine": kernels == 2 and fusable_combine(graph)[0] is not None}
+            "fusable_combine": kernels == 2 and fusable_combine(graph)[0] is not None, "variable_loop": var_loop}
 
 
 def _dot_into_max(block) -> bool:
@@ -84,9 +96,9 @@ def _dot_into_max(block) -> bool:
 FMA_MAX_PRODUCT = 16384
 
 
-def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
-    """First-round parameter sets for ``graph`` (see the module docstring)."""
-    f = graph_features(graph)
+def initial_params(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...] = ()) -> list[dict[str, Any]]:
+    """First-round parameter sets for ``graph`` whose ``variable_dims`` may vary at run time (see the module docstring)."""
+    f = graph_features(graph, variable_dims)
     dot = dict(DOT_NATIVE) if f["low_precision"] else {"matmul": "dot"}
     if f["max_loop"] > 1:
         dot["num_stages"] = 3
@@ -99,12 +111,14 @@ def initial_params(graph: KernelGraph) -> list[dict[str, Any]]:
         out = [{**p, "pdl": 1} for p in out]
     if f["fusable_combine"]:
         out += [{**p, "fused_combine": 1} for p in out]
+    if f["variable_loop"] == 1:  # the valid length's read would sit before every load of the one iteration
+        out += [{**p, "late_ext_mask": 2} for p in out]
     return out
 
 
-def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """Parameter sets one knob away from ``params`` that can matter for ``graph``."""
-    f = graph_features(graph)
+def neighbours(graph: KernelGraph, params: dict[str, Any], variable_dims: tuple[tuple[int, int], ...] = ()) -> list[dict[str, Any]]:
+    """Parameter sets one knob away from ``params`` that can matter for ``graph`` (``variable_dims`` as for :func:`initial_params`)."""
+    f = graph_features(graph, variable_dims)
     p = dict(params)
     out: list[dict[str, Any]] = []
 
@@ -130,6 +144,10 @@ def neighbours(graph: KernelGraph, params: dict[str, Any]) -> list[dict[str, Any
         with_(k_chunks=2)
     if f["fusable_combine"]:
         with_(fused_combine=0 if p.get("fused_combine", 0) else 1)
+    if f["variable_loop"]:
+        for m in (0, 1, 2):
+            if m != p.get("late_ext_mask", 0):
+                with_(late_ext_mask=m)
     return out
 
 
@@ -143,4 +161,4 @@ def merge(base: dict[str, Any], better: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1, "fused_combine": 0}
+_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1, "fused_combine": 0, "late_ext_mask": 0}
