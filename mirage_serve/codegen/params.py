@@ -64,6 +64,7 @@ class CodegenParams:
     pdl: int = 0
     fused_combine: int = 0
     late_ext_mask: int = 0
+    stream_evict: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -80,6 +81,8 @@ class CodegenParams:
             raise CodegenError("CodegenParams.dot_swap, .pdl and .fused_combine are 0 or 1")
         if self.late_ext_mask not in (0, 1, 2):
             raise CodegenError(f"CodegenParams.late_ext_mask={self.late_ext_mask}; use 0, 1 or 2")
+        if self.stream_evict not in (0, 1, 2):
+            raise CodegenError(f"CodegenParams.stream_evict={self.stream_evict}; use 0, 1 or 2")
         if self.k_chunks < 1 or self.k_chunks & (self.k_chunks - 1):
             raise CodegenError(f"CodegenParams.k_chunks={self.k_chunks}; use a power of two >= 1")
 
@@ -102,7 +105,7 @@ class CodegenParams:
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""
         d = self.to_dict()
-        for k in ("fused_combine", "late_ext_mask"):  # keys of points without them stay as they were before the knobs existed
+        for k in ("fused_combine", "late_ext_mask", "stream_evict"):  # keys of points without them stay as they were before the knobs existed
             if not d[k]:
                 del d[k]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]

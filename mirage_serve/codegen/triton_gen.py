@@ -652,9 +652,22 @@ class _Gen:
         cast = "" if self.arg_storage[src] == "float32" or raw else ".to(tl.float32)"
         if self.body_mode:  # other programs of this launch wrote it: read through L2 (no stale L1 line)
             m += ', cache_modifier=".cg"'
+        evict = self._eviction(j)
+        if evict:
+            m += f', eviction_policy="{evict}"'
         self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
         # late_ext_mask: positions past the valid length hold whatever the tensor holds there
         return _Val(f"t{j}", self._load_dims[j], not (j in self.late_loads and dyn_mask), raw)
+
+    def _eviction(self, j: int) -> str | None:
+        """``stream_evict``: ``evict_first`` for a tile no other program reads (each grid dim of more
+        than one program splits its tensor), with 2 ``evict_last`` for one that several programs read."""
+        mode = self.params.stream_evict
+        if not mode:
+            return None
+        bi = self.block.inputs[j]
+        alone = all(d != -1 for g, d in enumerate(bi.input_map) if self.block.grid[g] > 1)
+        return "evict_first" if alone else ("evict_last" if mode == 2 else None)
 
     def _emit_store(self, j: int, bo, v: _Val) -> None:
         blk = self.block
