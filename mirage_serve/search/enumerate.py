@@ -493,7 +493,7 @@ def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters 
     all loop dims have the same extent (>1) and the same grid splits; grid dims
     appear in canonical order (their per-input columns sorted). With index labels
     (``labels`` of the inputs, ``spec_lab``): the dims one grid dim splits carry
-    one label, and the loop runs along a label the spec contracts (a loop tile
+    one label, every input carrying that label is split along it, and the loop runs along a label the spec contracts (a loop tile
     leaves the loop only through an accumulator, which sums or maxes along it)."""
     counters = counters or Counters()
     out: list[MapChoice] = []
@@ -528,6 +528,13 @@ def _labels_fit(combo, rank: int, labels: list, spec_lab: SpecLabels) -> bool:
         seen = {labels[j][m[g]] for j, (m, _) in enumerate(combo) if m[g] >= 0} - {None}
         if len(seen) > 1:
             return False
+        # aligned: a label split by this grid dim is split in every input that carries it
+        # (a block holding one input's slice of it and another input's whole extent can only
+        # combine them after reducing the whole one, which no spec label relation allows)
+        for label in seen:
+            for j, (m, _) in enumerate(combo):
+                if label in labels[j] and m[g] < 0:
+                    return False
     loop = {labels[j][f] for j, (_, f) in enumerate(combo) if f >= 0} - {None}
     return len(loop) <= 1 and all(spec_lab.is_contracted(x) for x in loop)
 
