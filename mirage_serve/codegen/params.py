@@ -51,6 +51,15 @@ class CodegenParams:
       padding). 2: every such load; 1: only tiles that no operator reading them directly contracts
       or reduces over that dim (K of decode attention, not V, which would be zeroed right after its
       load). Such loads read up to the tensor's size, not the valid length.
+    * ``stream_evict``: L2 eviction hints on loads: 1 ``evict_first`` on tiles no other program
+      reads, 2 also ``evict_last`` on tiles several programs read (not on ``tma`` loads).
+    * ``tma``: 1 loads the for-loop's streamed tiles through tensor descriptors
+      (``tl.make_tensor_descriptor`` / ``desc.load``: Hopper's bulk tensor copy engine) where the
+      tile is a plain box of its tensor: every mask on it is a bound of a tensor dim (the row
+      count, a variable extent, a dim the tile covers from 0), which the descriptor's shape then
+      enforces by filling zeros; other tiles (a ragged column block, 1-D tiles, a box dim over 256)
+      keep ordinary loads. The descriptors are made per program in a global workspace that
+      :mod:`mirage_serve.codegen.runtime` allocates (``triton.set_allocator``).
     """
 
     num_warps: int = 4
@@ -65,6 +74,7 @@ class CodegenParams:
     fused_combine: int = 0
     late_ext_mask: int = 0
     stream_evict: int = 0
+    tma: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -77,8 +87,8 @@ class CodegenParams:
             raise CodegenError(f"CodegenParams.num_stages={self.num_stages}; use 1..8")
         if self.dot_min_rows < 1:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
-        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1) or self.fused_combine not in (0, 1):
-            raise CodegenError("CodegenParams.dot_swap, .pdl and .fused_combine are 0 or 1")
+        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1) or self.fused_combine not in (0, 1) or self.tma not in (0, 1):
+            raise CodegenError("CodegenParams.dot_swap, .pdl, .fused_combine and .tma are 0 or 1")
         if self.late_ext_mask not in (0, 1, 2):
             raise CodegenError(f"CodegenParams.late_ext_mask={self.late_ext_mask}; use 0, 1 or 2")
         if self.stream_evict not in (0, 1, 2):
@@ -105,7 +115,7 @@ class CodegenParams:
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""
         d = self.to_dict()
-        for k in ("fused_combine", "late_ext_mask", "stream_evict"):  # keys of points without them stay as they were before the knobs existed
+        for k in ("fused_combine", "late_ext_mask", "stream_evict", "tma"):  # keys of points without them stay as they were before the knobs existed
             if not d[k]:
                 del d[k]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]

@@ -25,6 +25,7 @@ excludes the other positions from every reduction exactly like padding.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import linecache
 import logging
@@ -227,6 +228,67 @@ def _interpreter_bf16_dot() -> None:
     _INTERPRETER_PATCHED = True
 
 
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_has_descriptors() -> bool:
+    """Whether Triton's CPU interpreter runs tensor-descriptor loads (``tma``; Triton >= 3.4 or so)."""
+    try:
+        from triton.runtime import interpreter as it
+    except ImportError:  # pragma: no cover
+        return False
+    return hasattr(getattr(it, "InterpreterBuilder", None), "create_make_tensor_descriptor")
+
+
+class _WorkspaceRing:
+    """Triton's allocator for the global workspace of kernels that make tensor descriptors (``tma``):
+    launches take per-device buffers in turn from a ring, kept for the process's lifetime. A buffer
+    the caching allocator handed out and took back after the launch could be handed to the next
+    kernel, whose programs may write their descriptors into it while this kernel still runs under
+    programmatic dependent launch; the ring keeps the workspaces of eight consecutive launches
+    apart, and stays valid in CUDA graphs captured with it."""
+
+    SLOTS = 8
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self.keep: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
+        self.turn: dict[int, int] = {}
+
+    def __call__(self, size: int, alignment: int, stream):
+        dev = torch.cuda.current_device()
+        slot = self.turn.get(dev, 0)
+        self.turn[dev] = (slot + 1) % self.SLOTS
+        buf = self.bufs.get((dev, slot))
+        if buf is None or buf.numel() < size + alignment:
+            if buf is not None:
+                self.keep.append(buf)
+            buf = self.bufs[(dev, slot)] = torch.empty(max(size + alignment, 1 << 16), dtype=torch.int8, device=f"cuda:{dev}")
+        pad = -buf.data_ptr() % alignment
+        return buf[pad:pad + size]
+
+
+_WORKSPACE = _WorkspaceRing()
+
+
+def ensure_workspace_allocator() -> None:
+    """Install :class:`_WorkspaceRing` as Triton's allocator unless one is set (in this context)."""
+    import triton
+
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout: set ours
+        pass
+    triton.set_allocator(_WORKSPACE)
+
+
 def load_kernel(source: KernelSource):
     """Turn generated source into a ``triton.jit`` function (source kept in linecache, no file)."""
     import os
@@ -274,7 +336,10 @@ class CompiledGraph:
         self.graph = graph
         self.params = params or CodegenParams()
         self.variable_dims = tuple(tuple(x) for x in variable_dims)
-        self._plan = _plan(graph, self.params, self.variable_dims)
+        gen_params = self.params
+        if gen_params.tma and _interpreting() and not interpreter_has_descriptors():
+            gen_params = dataclasses.replace(gen_params, tma=0)  # this interpreter has no descriptor loads: ordinary ones
+        self._plan = _plan(graph, gen_params, self.variable_dims)
         self.sources: list[str] = [k.text for k in self._plan.kernels if k is not None]
         self.kernel_sources: list[KernelSource] = [k for k in self._plan.kernels if k is not None]
         self._fns: dict[int, object] = {}
@@ -442,7 +507,12 @@ class CompiledGraph:
                 grid = tuple(
                     -(-n // rp) if rp and self.variable_batch else g for g, rp in zip(src.grid, src.rows_per_program, strict=True)
                 )
-                args = [vals[t] for t in op.inputs] + outs + extra
+                ins = [vals[t] for t in op.inputs]
+                if src.tma and device.type == "cuda":
+                    ensure_workspace_allocator()
+                    # a descriptor's base must be 16-byte aligned (a contiguous view may start anywhere)
+                    ins = [x.clone() if x.data_ptr() % 16 else x for x in ins]
+                args = ins + outs + extra
                 if src.uses_n_rows:
                     args.append(n)
                 for e in src.extents:

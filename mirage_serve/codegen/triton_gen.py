@@ -106,6 +106,7 @@ class KernelSource:
     # combine's outputs (this many) and an int32 counter per group of programs (this many), zero between launches
     combine_outputs: int = 0
     counters: int = 0
+    tma: bool = False  # makes tensor descriptors (``tma``): needs Triton's global workspace allocator
 
 
 @dataclass
@@ -200,6 +201,7 @@ class _Gen:
         self._plan_extents()
         self.late_loads = self._plan_late_loads()
         self.late_ext = bool(self.late_loads)
+        self.tma_loads: dict[int, tuple[list[str], list[str], list[int], list[str]]] = {}
 
     def _plan_late_loads(self) -> set[int]:
         """Block inputs whose loads ``late_ext_mask`` bounds by the tensor's size instead of the valid
@@ -457,6 +459,8 @@ class _Gen:
                 self.emit(self.dyn_mask_line(c))
                 if self.late_ext:
                     self.emit(self.dyn_mask_line(c, bound=True))
+        if self.params.tma and not self.body_mode:
+            self.tma_loads = {j: d for j in range(self.n_in) if (d := self._tma_box(j)) is not None}
         loads = self._emit_load_setup()
         env: dict[int, _Val] = {}
         for j, bi in enumerate(blk.inputs):
@@ -539,7 +543,8 @@ class _Gen:
         head.append('    """')
         self.fn_text = "\n".join(head + body) + "\n"
         text = (_MAX_COMBINE_SRC if self.uses_max else "") + self.fn_text
-        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl))
+        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl),
+                            tma=bool(self.tma_loads))
 
     def _deferred(self, phases: list[str]) -> set[int] | None:
         """With ``pdl``, in a kernel whose launch may overlap the kernel before it: the loop-invariant
@@ -613,6 +618,14 @@ class _Gen:
                 term = " + ".join(idx)
                 terms.append(term if strides[d] == "1" else f"({term}) * {strides[d]}" if len(idx) > 1 else f"{term} * {strides[d]}")
             masks = self._tensor_mask(target, masks, dyn=False)
+            self._load_dims = getattr(self, "_load_dims", {})
+            self._load_dims[j] = dims
+            if j in self.tma_loads:
+                bounds, dstrides, box, _ = self.tma_loads[j]
+                self.emit(f"desc{j} = tl.make_tensor_descriptor(in{src}_ptr, shape=[{', '.join(bounds)}], strides=[{', '.join(dstrides)}], "
+                          f"block_shape=[{', '.join(map(str, box))}])")
+                res.append((f"desc{j}", None, "0", None))
+                continue
             off = f"off{j}"
             self.emit(f"{off} = {' + '.join(terms) if terms else '0'}")
             mask = None
@@ -625,9 +638,59 @@ class _Gen:
                 s = strides[fd]
                 step = str(tile[fd]) if s == "1" else f"{tile[fd]} * {s}"
             res.append((off, mask, step, self.dyn_mask(target, bound=j in self.late_loads)))
-            self._load_dims = getattr(self, "_load_dims", {})
-            self._load_dims[j] = dims
         return res
+
+    def _tma_box(self, j: int) -> tuple[list[str], list[str], list[int], list[str]] | None:
+        """``tma``: for a streamed block input whose tile is a plain box of its tensor, the descriptor's
+        shape (per dim the bound that its masks test: ``n_rows``, the valid length ``v_ext<e>`` or, for
+        a ``late_ext_mask`` load, the size ``n_ext<e>``; else the dim's size), strides, block shape and
+        the load's offsets; None where an ordinary load is needed (a mask that is no tensor bound, a
+        1-D tile, a box the copy engine cannot take)."""
+        blk, rng = self.block, self.block.forloop_range
+        bi = blk.inputs[j]
+        if bi.forloop_dim == -1:
+            return None
+        src = bi.source
+        shape, tile = self.arg_infos[src].shape, self.tiles[j].shape
+        row, ext = self.arg_rows[src], self.arg_ext[src]
+        if not 2 <= len(shape) <= 5:
+            return None
+        elsize = 4 if self.arg_storage[src] == "float32" else 2
+        bounds, box, offsets = [], [], []
+        for d in range(len(shape)):
+            terms = []
+            for g, td in enumerate(bi.input_map):
+                if td == d and blk.grid[g] > 1:
+                    step = tile[d] * (rng if d == bi.forloop_dim else 1)
+                    terms.append(f"pid{g}" if step == 1 else f"pid{g} * {step}")
+            if d == bi.forloop_dim and rng > 1:
+                terms.append(f"i * {tile[d]}")
+            c = self.bd.cls[j][d]
+            b = 1 if c is None else self.pad[c]
+            if b > 256 or (c is None and tile[d] != 1):
+                return None
+            if d == row:
+                bound = "n_rows"
+            elif d in ext:
+                # (a valid length of 0 still makes a box of one row: the copy engine takes no empty dim)
+                bound = f"n_ext{ext[d]}" if j in self.late_loads else f"tl.maximum(v_ext{ext[d]}, 1)"
+            else:
+                bound = str(shape[d])
+            if c is not None and c in self.dyn and d not in ext:
+                return None  # a valid-length mask on a dim that is not this tensor's variable one
+            if c is not None and self.pad[c] > self.bd.size[c] and (terms or tile[d] != shape[d]):
+                return None  # padding inside the tensor (a ragged block): the bound is no tensor bound
+            bounds.append(bound)
+            box.append(b)
+            offsets.append(" + ".join(terms) or "0")
+        if box[-1] * elsize < 16 or (offsets[-1] != "0" and tile[-1] * elsize % 16):
+            return None
+        strides = self.strides(shape, row, ext)
+        for d in range(len(shape) - 1):  # leading strides a multiple of 16 bytes whatever the runtime sizes
+            lit = math.prod(shape[e] for e in range(d + 1, len(shape)) if e != row and e not in ext)
+            if lit * elsize % 16:
+                return None
+        return bounds, strides, box, offsets
 
     def _tensor_mask(self, target: tuple[int, ...], row_masks: list[str], dyn: bool = True) -> list[str]:
         """Padding mask plus row conditions; a scalar row test is widened to the tile
@@ -645,6 +708,20 @@ class _Gen:
     def _emit_load(self, j: int, setup: tuple[str, str | None, str, str | None], depth: int) -> _Val:
         off, mask, step, dyn_mask = setup
         src = self.block.inputs[j].source
+        if j in self.tma_loads:
+            _, _, box, offsets = self.tma_loads[j]
+            raw = j in self.raw_loads
+            expr = f"{off}.load([{', '.join(offsets)}])"
+            dims = self._load_dims[j]
+            natural = tuple(d for d, c in enumerate(self.bd.cls[j]) if c is not None)
+            if len(natural) < len(box):  # squeeze the tile's size-1 dims
+                expr = f"tl.reshape({expr}, {self.shape_of(self.classes(j, natural))})"
+            if dims != natural:  # loaded [.., K, N] for a transposed matmul operand
+                expr = f"tl.permute({expr}, {tuple(natural.index(d) for d in dims)})"
+            cast = "" if self.arg_storage[src] == "float32" or raw else ".to(tl.float32)"
+            self.emit(f"t{j} = {expr}{cast}", depth)
+            # zeros past each bound, like a masked load's other=0.0 (late_ext_mask: past the size only)
+            return _Val(f"t{j}", dims, not (j in self.late_loads and self._has_dyn(j)), raw)
         ptr = f"in{src}_ptr + {off}" + (f" + i * ({step})" if step != "0" else "")
         full = " & ".join(x for x in (mask, dyn_mask) if x)
         m = f", mask={full}, other=0.0" if full else ""
@@ -658,6 +735,9 @@ class _Gen:
         self.emit(f"t{j} = tl.load({ptr}{m}){cast}", depth)
         # late_ext_mask: positions past the valid length hold whatever the tensor holds there
         return _Val(f"t{j}", self._load_dims[j], not (j in self.late_loads and dyn_mask), raw)
+
+    def _has_dyn(self, j: int) -> bool:
+        return any(c in self.dyn for c in self.bd.cls[j] if c is not None)
 
     def _eviction(self, j: int) -> str | None:
         """``stream_evict``: ``evict_first`` for a tile no other program reads (each grid dim of more
