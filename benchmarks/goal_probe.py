@@ -9,7 +9,9 @@ against a float64 combine of its (random) partials. Timing as in ``kernels.py``:
 of a rotation over enough input sets to defeat the L2, median per call; the best points and the
 contenders are re-timed interleaved, twice.
 
-Usage: ``python benchmarks/goal_probe.py --out DIR`` (writes goal-probe.json).
+Usage: ``python benchmarks/goal_probe.py --out DIR`` (writes goal-probe.json); with ``--tma`` the
+same cases with the ``tma`` codegen parameter (tensor-descriptor loads) against the earlier bests
+(writes goal-probe-tma.json).
 """
 
 from __future__ import annotations
@@ -55,6 +57,23 @@ QKV_POINTS_2 = [("fused c48 k256", {**QKV_BASE, "num_warps": 8, "stream_evict": 
                 ("fused c64 k512", {**QKV_BASE, "num_stages": 2, "stream_evict": 2}), ("fused c48 k256", {**QKV_BASE, "num_stages": 3, "stream_evict": 2}),
                 ("fused c48 k256", {**QKV_BASE, "stream_evict": 2}), ("fused c48 k256", {**QKV_BASE, "stream_evict": 1}), ("fused c48 k256", QKV_BASE),
                 ("fused c64 k256", QKV_BASE)]
+# --tma: the same cases through tensor descriptors (``tma=1``); the first point of each is the best before it
+TMA = {"tma": 1}
+ATT_POINTS_TMA = {
+    4096: [("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), ("s64 t64 cd8", {**ATT, "late_ext_mask": 2, **TMA}), ("s64 t64 cd8", {**ATT, **TMA}),
+           ("s64 t64 cd8", {**ATT, "late_ext_mask": 2, "num_stages": 3, **TMA}), ("s64 t64 cd8", {**ATT, "late_ext_mask": 2, "num_warps": 2, **TMA}),
+           ("s32 t128 cd8", {**ATT, "late_ext_mask": 2, **TMA}), ("s64 t64 cd4", {**ATT, "late_ext_mask": 2, **TMA})],
+    8192: [("s32 t64 cd2", {**ATT, "num_stages": 3}), ("s32 t64 cd2", {**ATT, "num_stages": 3, **TMA}), ("s32 t64 cd2", {**ATT, "num_stages": 4, **TMA}),
+           ("s32 t64 cd2", {**ATT, "num_stages": 2, **TMA}), ("s32 t64 cd2", {**ATT, "num_stages": 3, "late_ext_mask": 1, **TMA}),
+           ("s64 t128 cd4", {**ATT, "late_ext_mask": 2, **TMA}), ("s32 t128 cd4", {**ATT, "num_stages": 3, **TMA}),
+           ("s32 t128 cd4", {**ATT, "num_stages": 4, **TMA})],
+}
+QKV_POINTS_TMA = [("fused c64 k256", QKV_BASE), ("fused c48 k256", {**QKV_BASE, "stream_evict": 2}), ("fused c64 k256", {**QKV_BASE, **TMA}),
+                  ("fused c64 k256", {**QKV_BASE, "num_stages": 3, **TMA}), ("fused c64 k128", {**QKV_BASE, "num_stages": 8, **TMA}),
+                  ("fused c64 k256", {**QKV_BASE, "num_warps": 8, **TMA}), ("fused c48 k256", {**QKV_BASE, **TMA}),
+                  ("fused c64 k128", {**QKV_BASE, **TMA}), ("fused c64 k128", {**QKV_BASE, "num_stages": 6, **TMA}),
+                  ("fused c128 k128", {**QKV_BASE, "num_warps": 8, **TMA}), ("fused c128 k128", {**QKV_BASE, "num_warps": 8, "num_stages": 3, **TMA}),
+                  ("splitk c64 s2 k256", {**QKV_BASE, "pdl": 1, **TMA})]
 BREAKDOWN = {4096: ("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), 8192: ("s32 t64 cd2", {**ATT, "num_stages": 3})}
 
 
@@ -327,7 +346,11 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--skip-qkv", action="store_true")
     ap.add_argument("--second", action="store_true", help="the breakdown by recorded launches and the second QKV point list")
+    ap.add_argument("--tma", action="store_true", help="the tma=1 point lists (ATT_POINTS_TMA, QKV_POINTS_TMA); writes goal-probe-tma.json")
     args = ap.parse_args()
+    global ATT_POINTS, QKV_POINTS
+    if args.tma:
+        ATT_POINTS, QKV_POINTS = ATT_POINTS_TMA, QKV_POINTS_TMA
     import torch
     import triton
 
@@ -335,7 +358,7 @@ def main() -> int:
     from mirage_serve.tune.timing import copy_bandwidth
 
     t0 = time.time()
-    out = Path(args.out) / "goal-probe.json"
+    out = Path(args.out) / ("goal-probe-tma.json" if args.tma else "goal-probe.json")
     report: dict = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                                     "codegen_version": CODEGEN_VERSION, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}}
     save = lambda: out.write_text(json.dumps(report, indent=1, default=str))
@@ -371,7 +394,7 @@ def main() -> int:
         save()
     if not args.skip_qkv:
         print("-- RMSNorm->QKV b32", flush=True)
-        report["qkv_b32"] = qkv(args.reps)
+        report["qkv_b32"] = qkv(args.reps, QKV_POINTS)
         save()
     report["wall_s"] = time.time() - t0
     save()
