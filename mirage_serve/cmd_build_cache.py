@@ -478,6 +478,16 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         compilable = [f for f in found if supports(f.graph)]
         if not compilable:
             raise StepError("codegen", f"codegen supports none of the {len(found)} verified candidates")
+        # a candidate that drops a max guard the spec puts on an exp (an unshifted softmax) overflows on
+        # large scores: it is only kept when no guarded candidate verified
+        (numerically_safe,) = _require("search", "mirage_serve.search.rewrite", "numerically_safe")
+        safe = [f for f in compilable if numerically_safe(f.graph, spec)]
+        if safe and len(safe) < len(compilable):
+            log.info("%s: %d of %d candidates drop the spec's max guard on exp; ranking the %d guarded ones",
+                     item.name, len(compilable) - len(safe), len(compilable), len(safe))
+            compilable = safe
+        elif not safe:
+            log.warning("every verified candidate drops the spec's max guard on exp; large scores may overflow")
 
         # tune: GPU profile when available, else the analytical cost model (unprofiled)
         (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")

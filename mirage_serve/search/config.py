@@ -53,6 +53,7 @@ class SearchConfig:
     # pruning
     prune: bool = True  # abstract-expression pruning (off: only the structural rules)
     solver: bool = False  # the e-graph confirms each normal-form rejection (docs/abstract-expressions.md)
+    rewrites: bool = True  # also verify the exp-shifted and loop-split forms of every verified structure (search/rewrite.py)
     split_outputs: bool = True  # also search specs with an output other outputs are computed from in two parts (search/split.py)
     # verification
     trials: int = 3

@@ -6,10 +6,14 @@ customized operator's block graphs for one set of input tensors and a chunk of
 input-map choices) that run on a process pool. Structurally complete graphs
 are instantiated at concrete sizes, ranked by :mod:`mirage_serve.search.cost`,
 and the best few instantiations of each structure go through
-``verify_equivalent``; only "equivalent" ones are returned, best first.
+``verify_equivalent``; only "equivalent" ones are returned, best first. The
+exp-shifted and loop-split rewrites (:mod:`mirage_serve.search.rewrite`) of every
+structure that verified are instantiated and verified the same way
+(``SearchConfig.rewrites``); they stay within ``max_kernel_ops`` and
+``max_customized``, and a split adds one grid dim.
 
 Determinism: tasks and their results are processed in a fixed order and the
-returned candidates are sorted by (cost, content hash), so a search that
+returned candidates are sorted by (numerically unsafe, cost, content hash), so a search that
 completes within its budget returns the same candidates for the same spec and
 configuration. A search cut short by ``time_budget_s`` (``stats.complete`` is
 False) returns what it had verified by then, which depends on machine speed.
@@ -45,6 +49,7 @@ from mirage_serve.search.enumerate import (
     prefix_graph,
 )
 from mirage_serve.search.labels import kernel_labels
+from mirage_serve.search.rewrite import numerically_safe
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,8 @@ class Candidate:
     cost: float
     cost_detail: GraphCost | None = None
     hash: str = ""
+    # False when the graph drops a max guard the spec puts on an exp (mirage_serve.search.rewrite.numerically_safe)
+    numerically_safe: bool = True
 
     @property
     def num_kernels(self) -> int:
@@ -95,6 +102,11 @@ class SearchResult:
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates else None
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Candidates are ranked numerically safe first, then by estimated cost (then hash)."""
+    return (not c.numerically_safe, c.cost, c.hash)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -298,7 +310,7 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
                      len(seen_structures), len(found))
     finally:
         runner.close(terminate=terminated)
-    cands = sorted(found.values(), key=lambda c: (c.cost, c.hash))[: cfg.max_candidates]
+    cands = sorted(found.values(), key=rank_key)[: cfg.max_candidates]
     stats.enumerated, stats.pruned_abstract, stats.pruned_other = counters.enumerated, counters.pruned_abstract, counters.pruned_other
     stats.block_nodes, stats.structures = counters.block_nodes, counters.structures
     stats.complete = not counters.truncated and not terminated
@@ -310,6 +322,7 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
 
 SPLIT_HEAD_SHARE = 0.2  # of the time left: the head's search (when it is more than one pre-defined operator)
 SPLIT_TAIL_SHARE = 0.5  # of the time left after the head: the tail's search
+REWRITE_SOURCES = 3  # verified structures per wave whose rewrites are verified (the cheapest)
 SPLIT_CANDIDATES = 3  # best head and tail candidates stitched together (pairs verified: at most 3 x 3)
 
 
@@ -378,8 +391,8 @@ def _search_split(spec, cfg, engine_factory, verifier, start, deadline, stats, c
             if stats.time_to_first_s is None:
                 stats.time_to_first_s = now
             cost = graph_cost(g, cfg.target)
-            found[key] = Candidate(g, cert, cost.seconds, cost, key)
-            cur = min(found.values(), key=lambda c: (c.cost, c.hash)).hash
+            found[key] = Candidate(g, cert, cost.seconds, cost, key, numerically_safe(g, spec))
+            cur = min(found.values(), key=rank_key).hash
             if cur != best_hash:
                 best_hash = cur
                 stats.time_to_best_s = now
@@ -436,7 +449,8 @@ def _run_level(states, level, final, spec, cfg, runner, vocab, counters, stats, 
                 if over():
                     break
             # verify what this wave completed before enumerating further: early first results
-            best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash)
+            best_hash = _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash,
+                                           seen_structures)
             if over():
                 counters.truncated = True
                 terminated = True
@@ -520,10 +534,13 @@ def _plan_level(states: list[KernelState], cfg: SearchConfig, counters: Counters
     return tasks + _split_choice_tasks(blk, cfg)
 
 
-def _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash):
+def _verify_structures(structures, spec, cfg, runner, stats, found, counters, start, over, best_hash,
+                       seen_structures=None, rewrite=True):
     """Instantiate each structure, verify its best few instantiations (cheapest
-    structures first) and record the equivalent ones."""
-    todo: list[tuple[float, str, KernelGraph]] = []
+    structures first) and record the equivalent ones. With ``cfg.rewrites``, the
+    rewrites (mirage_serve.search.rewrite) of every structure that verified are
+    then instantiated and verified the same way."""
+    todo: list[tuple[float, str, KernelGraph, KernelGraph]] = []
     for g in structures:
         inst = instantiations(g, cfg, counters)
         kept = 0
@@ -531,7 +548,7 @@ def _verify_structures(structures, spec, cfg, runner, stats, found, counters, st
             h = content_hash(ig)
             if h in found or any(h == t[1] for t in todo):
                 continue
-            todo.append((cost_s, h, ig))
+            todo.append((cost_s, h, ig, g))
             kept += 1
             if kept >= cfg.instantiations_per_structure:
                 break
@@ -540,22 +557,55 @@ def _verify_structures(structures, spec, cfg, runner, stats, found, counters, st
         if todo:
             counters.truncated = True
         return best_hash
-    for (cost_s, h, ig), res in zip(todo, runner.imap([("verify", t[2]) for t in todo]), strict=False):
+    verified_structures: list[tuple[float, KernelGraph]] = []
+    for (cost_s, h, ig, g), res in zip(todo, runner.imap([("verify", t[2]) for t in todo]), strict=False):
         cert = res["cert"]
         if getattr(cert, "verdict", None) == "equivalent":
             stats.verified += 1
             now = time.monotonic() - start
             if stats.time_to_first_s is None:
                 stats.time_to_first_s = now
-            found[h] = Candidate(ig, cert, cost_s, graph_cost(ig, cfg.target), h)
-            cur_best = min(found.values(), key=lambda c: (c.cost, c.hash)).hash
+            found[h] = Candidate(ig, cert, cost_s, graph_cost(ig, cfg.target), h, numerically_safe(ig, spec))
+            cur_best = min(found.values(), key=rank_key).hash
             if cur_best != best_hash:
                 best_hash = cur_best
                 stats.time_to_best_s = now
+            if not any(g is v for _, v in verified_structures):
+                verified_structures.append((cost_s, g))
         else:
             stats.rejected += 1
             log.debug("rejected (%s): %s", getattr(cert, "verdict", cert), h[:12])
         if over():
             counters.truncated = True
             break
+    if rewrite and cfg.rewrites and verified_structures and not over():
+        # the cheapest few: each rewrite costs its own instantiations' verification
+        sources = [g for _, g in sorted(verified_structures, key=lambda t: t[0])[:REWRITE_SOURCES]]
+        derived = _rewritten_structures(sources, cfg, seen_structures)
+        if derived:
+            log.info("verifying %d rewritten structure(s) of %d verified one(s)", len(derived), len(verified_structures))
+            best_hash = _verify_structures(derived, spec, cfg, runner, stats, found, counters, start, over, best_hash,
+                                           seen_structures, rewrite=False)
     return best_hash
+
+
+def _rewritten_structures(structures, cfg: SearchConfig, seen_structures) -> list[KernelGraph]:
+    """New structures from mirage_serve.search.rewrite.variants within the kernel limits."""
+    from mirage_serve.search.rewrite import variants
+
+    out = []
+    for g in structures:
+        for v in variants(g):
+            n_ops = sum(op.kind != "input" for op in v.ops)
+            n_cust = sum(op.kind == "customized" for op in v.ops)
+            if n_ops > cfg.max_kernel_ops or n_cust > cfg.max_customized:
+                continue
+            h = content_hash(v)
+            if seen_structures is not None:
+                if h in seen_structures:
+                    continue
+                seen_structures.add(h)
+            elif any(content_hash(u) == h for u in out):
+                continue
+            out.append(v)
+    return out
