@@ -59,7 +59,9 @@ class CodegenParams:
       count, a variable extent, a dim the tile covers from 0), which the descriptor's shape then
       enforces by filling zeros; other tiles (a ragged column block, 1-D tiles, a box dim over 256)
       keep ordinary loads. The descriptors are made per program in a global workspace that
-      :mod:`mirage_serve.codegen.runtime` allocates (``triton.set_allocator``).
+      :mod:`mirage_serve.codegen.runtime` allocates (``triton.set_allocator``). On an H200
+      (2026-12-04, Triton 3.6) it was slower everywhere it applied (decode attention +2.5-2.7 µs,
+      RMSNorm->QKV b32 +0.7 µs; benchmarks/NOTES.md), so the tuner does not offer it.
     """
 
     num_warps: int = 4
