@@ -1040,7 +1040,14 @@ def _op_options(op: Op, infos: list[TensorInfo], cfg) -> list[tuple[tuple[int, .
         ext = next(args[bi.source].shape[bi.input_map[g]] for bi in block.inputs if bi.input_map[g] >= 0)
         extents.append(ext)
         roles.append("tile" if any(bo.output_map[g] >= 0 for bo in block.outputs) else "split")
-    grids = list(itertools.product(*[_grid_options(e, r, cfg) for e, r in zip(extents, roles, strict=True)]))
+    options = [_grid_options(e, r, cfg) for e, r in zip(extents, roles, strict=True)]
+    for g in range(rank):
+        # a leading (batch) dim of tensors of rank >= 3, e.g. attention's batch x kv heads: blocks share
+        # nothing along it, so one block per element is always an option, whatever its extent
+        mapped = [(args[bi.source].shape, bi.input_map[g]) for bi in block.inputs if bi.input_map[g] >= 0]
+        if roles[g] == "tile" and all(len(shape) >= 3 and d < len(shape) - 2 for shape, d in mapped):
+            options[g] = sorted(set(options[g]) | {extents[g]})
+    grids = list(itertools.product(*options))
     loop_inputs = [bi for bi in block.inputs if bi.forloop_dim >= 0]
     out = []
     for grid in grids:
