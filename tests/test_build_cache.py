@@ -204,3 +204,16 @@ def test_a_bucket_is_seeded_from_its_family_first_then_from_other_families():
     # the other family's structure re-instantiates at this family's shapes
     spec = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 256, "out": 128}, "float32")
     assert cmd_build_cache.reinstantiate(other, spec, SearchConfig())
+
+
+def test_a_bucket_too_large_to_verify_here_runs_the_original_code(capsys, tmp_path, monkeypatch):
+    """Nothing unverified is cached, the build does not fail, and the bucket is not recorded as
+    having no fused form (a build on a larger machine searches it)."""
+    monkeypatch.setattr(cmd_build_cache, "available_memory_bytes", lambda: 1)
+    rc, report = run_json(capsys, "--batch-sizes", "1", "--kv-lens", "1024", "--only", "attention_decode",
+                          "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and report["results"]
+    for r in report["results"]:
+        assert r["status"] == "original" and r["entry_id"] is None
+        assert "GiB" in r["message"] and "larger machine" in r["message"]
+    assert not list(tmp_path.rglob("*.json"))
