@@ -31,7 +31,6 @@ rewrites of a graph, and the driver instantiates and verifies them.
 from __future__ import annotations
 
 import logging
-import math
 
 from mirage_serve.mugraph.graph import BlockGraph, BlockInput, BlockOutput, KernelGraph, MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo, block_tile_infos
@@ -41,13 +40,6 @@ log = logging.getLogger(__name__)
 __all__ = ["numerically_safe", "split_loop", "stabilize_exp", "unshifted_exps", "variants"]
 
 _SUMS = {"sum": "rescaled_sum", "sum_last": "rescaled_sum_last"}
-
-
-def _smallest_split(n: int) -> int:
-    for p in range(2, math.isqrt(n) + 1):
-        if n % p == 0:
-            return p
-    return n
 
 
 def _consumers(block: BlockGraph) -> dict[int, list[int]]:
@@ -152,7 +144,7 @@ def split_loop(graph: KernelGraph) -> KernelGraph | None:
     grid dim into a partials operator and a merging one (module docstring), at
     representative sizes; None if the operator has no loop or an accumulator
     that does not merge (``rms_last``, ``sum_to``)."""
-    from mirage_serve.search.enumerate import output_map_of
+    from mirage_serve.search.enumerate import _smallest_split, output_map_of
 
     idx = max((i for i, op in enumerate(graph.ops) if op.kind == "customized"), default=None)
     if idx is None or idx != len(graph.ops) - 1:
