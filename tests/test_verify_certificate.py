@@ -111,3 +111,29 @@ def test_llama3_8b_rmsnorm_linear_under_10s(capsys):
               f"(certificate elapsed {cert.elapsed_s:.2f}s), rel error {cert.float_checks[0].rel_error:.2g}")
     assert cert.verdict == "equivalent", cert.reason
     assert elapsed < 20.0  # < 10 s on an idle 2-core machine; margin for a shared one
+
+
+def test_inputs_are_drawn_once_per_trial_and_the_scale_run_is_the_reference(monkeypatch):
+    """Large inputs are not kept between candidates, but within one trial the candidate runs on the
+    draw the spec ran on; the float reference is the float64 run that chose the scale."""
+    import mirage_serve.verify.finite_field as ff
+    from mirage_serve.reference import execute
+    from mirage_serve.verify.float_check import choose_scale, float_inputs, float_reference
+
+    cand, spec = _small()
+    draws = []
+    real = ff._draw_inputs
+    monkeypatch.setattr(ff, "_draw_inputs", lambda g, ctx: draws.append(g) or real(g, ctx))
+    monkeypatch.setattr(ff, "INPUT_CACHE_BYTES", 0)
+    verifier = ff.FieldVerifier(spec, trials=3, seed=1)
+    assert verifier.check(cand).verdict == "equivalent"
+    assert draws == [spec] * 3  # one draw per trial, shared by the spec and the candidate
+    assert verifier.check(cand).verdict == "equivalent"
+    assert draws[3:] == [cand] * 3  # the spec's runs are cached, their large inputs are not
+
+    ref = float_reference(spec, dtype="bfloat16", seed=5)
+    scale = choose_scale(spec, 5, "bfloat16")
+    ins = float_inputs(spec, 5, scale, "bfloat16")
+    assert ref.scale == scale and all(torch.equal(a, b) for a, b in zip(ref.inputs, ins, strict=True))
+    again = execute(spec, [x.to(torch.float64) for x in ins])
+    assert all(torch.equal(a, b) for a, b in zip(ref.outputs, again, strict=True))

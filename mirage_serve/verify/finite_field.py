@@ -189,11 +189,15 @@ class FieldVerifier:
         self._spec_exp = uses_exp(spec)
         self._cache: OrderedDict[tuple[int, int, bool], _SpecRun] = OrderedDict()
 
-    def _spec_run(self, trial: int, attempt: int, track_q: bool) -> _SpecRun:
+    def _spec_run(self, trial: int, attempt: int, track_q: bool) -> tuple[_SpecRun, list[FieldValue] | None]:
+        """The spec's run for this draw and its inputs: those the run keeps, or those just drawn for
+        it (not kept when large, but the candidate of this same trial reuses them instead of drawing
+        them again), or None when a cached run did not keep them."""
         key = (trial, attempt, track_q)
         if key in self._cache:
             self._cache.move_to_end(key)
-            return self._cache[key]
+            run = self._cache[key]
+            return run, run.inputs
         ctx = TrialContext.draw(self.primes[trial], derive_seed(self.seed, "trial", trial, attempt), track_q)
         inputs = _draw_inputs(self.spec, ctx)
         try:
@@ -214,7 +218,7 @@ class FieldVerifier:
         self._cache[key] = run
         while len(self._cache) > self.trials + 2:
             self._cache.popitem(last=False)
-        return run
+        return run, inputs
 
     def check(self, candidate: KernelGraph) -> FieldResult:
         """Test ``candidate`` against the spec; never "equivalent" for an undecidable pair."""
@@ -237,14 +241,16 @@ class FieldVerifier:
         track_q = self._spec_exp or uses_exp(candidate)
         for trial in range(self.trials):
             for attempt in range(self.max_redraws + 1):
-                srun = self._spec_run(trial, attempt, track_q)
+                inputs = outs = again = None  # the last trial's tensors are not held while this one draws
+                srun, drawn = self._spec_run(trial, attempt, track_q)
                 if srun.problem:
                     return done("unknown", srun.problem)
                 if srun.outputs is None:
                     res.redraws += 1
                     continue
                 ctx = srun.ctx
-                inputs = srun.inputs if srun.inputs is not None else _draw_inputs(candidate, ctx)
+                inputs = drawn if drawn is not None else _draw_inputs(candidate, ctx)
+                del drawn
                 try:
                     outs, calls = _run(candidate, inputs, ctx, "cand-a")
                     res.max_calls = calls

@@ -158,29 +158,43 @@ def graph_dtype(graph: KernelGraph) -> str:
     return graph.info[graph.input_ids[0]].dtype
 
 
+def _normal_draws(graph: KernelGraph, seed: int) -> list[torch.Tensor]:
+    """The standard-normal float64 draws behind :func:`float_inputs` (before scaling and rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(graph.info[t].shape, generator=g, dtype=torch.float64) for t in graph.input_ids]
+
+
+def _scaled(graph: KernelGraph, draws: Sequence[torch.Tensor], scale: float, dtype: str | None) -> list[torch.Tensor]:
+    return [(x * scale).to(TORCH_DTYPES[dtype or graph.info[t].dtype]) for x, t in zip(draws, graph.input_ids, strict=True)]
+
+
 def float_inputs(graph: KernelGraph, seed: int, scale: float, dtype: str | None = None) -> list[torch.Tensor]:
     """Standard-normal inputs times ``scale``, rounded to ``dtype`` (default: each input's declared dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for t in graph.input_ids:
-        info = graph.info[t]
-        x = torch.randn(info.shape, generator=g, dtype=torch.float64) * scale
-        out.append(x.to(TORCH_DTYPES[dtype or info.dtype]))
-    return out
+    return _scaled(graph, _normal_draws(graph, seed), scale, dtype)
+
+
+def _scaled_reference(spec: KernelGraph, seed: int, dtype: str) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+    """(scale, inputs rounded to ``dtype``, the spec's float64 outputs on them) for the scale
+    :func:`choose_scale` picks. The inputs are drawn once and rescaled at each halving, and the
+    range-tracking run at the chosen scale is the float64 reference itself (it computes in float64)."""
+    limit = torch.finfo(TORCH_DTYPES.get(dtype, torch.float64)).max / 4
+    draws = _normal_draws(spec, seed)
+    scale = 1.0
+    for _ in range(MAX_HALVINGS):
+        alg = _RangeAlgebra()
+        ins = _scaled(spec, draws, scale, dtype)
+        outs = run_graph(spec, [alg.lift(x.to(torch.float64)) for x in ins], alg)
+        if alg.largest_exp_arg <= EXP_ARG_LIMIT and alg.largest < limit:
+            return scale, ins, outs
+        scale /= 2
+    log.warning("float check: no input scale down to %g keeps the spec's exp arguments and values in range for %s", scale * 2, dtype)
+    ins = _scaled(spec, draws, scale, dtype)
+    return scale, ins, execute(spec, [x.to(torch.float64) for x in ins])
 
 
 def choose_scale(spec: KernelGraph, seed: int, dtype: str) -> float:
     """Largest power-of-two input scale <= 1 keeping exp arguments and intermediates in range (see module docstring)."""
-    limit = torch.finfo(TORCH_DTYPES.get(dtype, torch.float64)).max / 4
-    scale = 1.0
-    for _ in range(MAX_HALVINGS):
-        alg = _RangeAlgebra()
-        run_graph(spec, [x.to(torch.float64) for x in float_inputs(spec, seed, scale, dtype)], alg)
-        if alg.largest_exp_arg <= EXP_ARG_LIMIT and alg.largest < limit:
-            return scale
-        scale /= 2
-    log.warning("float check: no input scale down to %g keeps the spec's exp arguments and values in range for %s", scale * 2, dtype)
-    return scale
+    return _scaled_reference(spec, seed, dtype)[0]
 
 
 @dataclass
@@ -199,7 +213,7 @@ def float_reference(spec: KernelGraph, *, dtype: str, seed: int = 0, scale: floa
     if dtype not in TOLERANCES:
         raise ValueError(f"float check dtype {dtype!r} is not supported; use one of {sorted(TOLERANCES)}")
     if scale is None:
-        scale = choose_scale(spec, seed, dtype)
+        return FloatReference(dtype, seed, *_scaled_reference(spec, seed, dtype))
     ins = float_inputs(spec, seed, scale, dtype)
     return FloatReference(dtype, seed, scale, ins, execute(spec, [x.to(torch.float64) for x in ins]))
 
