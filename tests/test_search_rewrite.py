@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from handwritten import fused_gated_mlp, fused_rmsnorm_linear
+from handwritten import fused_gated_mlp, fused_rmsnorm_linear, split_kv_attention
 
 from mirage_serve.mugraph import BlockBuilder, GraphBuilder
 from mirage_serve.search.config import SearchConfig
 from mirage_serve.search.enumerate import instantiations
-from mirage_serve.search.rewrite import split_loop, stabilize_exp, variants
+from mirage_serve.search.rewrite import grid_last_dim, split_loop, stabilize_exp, variants
 from mirage_serve.specs import build_spec
 from mirage_serve.verify import verify_equivalent
 
@@ -65,7 +65,7 @@ def test_exp_shifting_gives_the_online_softmax_and_it_verifies():
 def test_loop_split_of_attention_is_split_kv_with_max_rescaling():
     spec = build_spec("attention_decode", DIMS)
     vs = variants(exp_sum_attention())
-    split = [v for v in vs if len(v.customized_ops) == 2]
+    split = [v for v in vs if len(v.customized_ops) == 2 and len(v.customized_ops[1].block.grid) == 1]
     assert len(split) == 2  # of the plain form and of the shifted one
     safe = next(v for v in split if ("accum", "max_last") in _kinds(v)[0])
     partials, combine = safe.customized_ops
@@ -79,6 +79,30 @@ def test_loop_split_of_attention_is_split_kv_with_max_rescaling():
         ig = inst[0][1]
         assert verify_equivalent(ig, spec, trials=2).verdict == "equivalent"
         _run_matches_reference(ig, spec)
+
+
+def test_the_merge_of_split_kv_is_also_gridded_along_the_head_dim():
+    """The merge kernel of the loop split, gridded along its output's last dim: the max and sum
+    partials are read by every head-dim block, the V partials are split; at sizes it verifies."""
+    from mirage_serve.mugraph.serialize import content_hash
+
+    spec = build_spec("attention_decode", DIMS)
+    vs = variants(exp_sum_attention())
+    wide = [v for v in vs if len(v.customized_ops) == 2 and len(v.customized_ops[1].block.grid) == 2]
+    assert len(wide) == 2  # of the plain split and of the max-rescaled one
+    for v in wide:
+        combine = v.customized_ops[1].block
+        assert [bo.output_map[-1] for bo in combine.outputs] == [2]
+        assert sum(bi.input_map[-1] >= 0 for bi in combine.inputs) == 1
+        inst = [g for _, g in instantiations(v, SearchConfig()) if g.customized_ops[1].block.grid[-1] > 1]
+        assert inst
+        assert verify_equivalent(inst[0], spec, trials=2).verdict == "equivalent"
+        _run_matches_reference(inst[0], spec)
+    # on the hand-written split-KV graph, the rewrite gives exactly its head-dim-split combine
+    (g,) = grid_last_dim(split_kv_attention(1, 8, 2, 64, 256, 4, 64))
+    assert content_hash(g) == content_hash(split_kv_attention(1, 8, 2, 64, 256, 4, 64, d_split=2))
+    # a merge already gridded along its output's last dim (split-K of the gated MLP) is left alone
+    assert grid_last_dim(split_loop(fused_gated_mlp(2, 64, 32, n_blocks=2, loop=4))) == []
 
 
 def test_loop_split_of_the_fused_gated_mlp_is_split_k():

@@ -46,7 +46,7 @@ class SearchConfig:
     tile_widths: tuple[int, ...] = (16, 32, 64, 128)  # output elements per block along a tiled grid dim
     small_grid_extent: int = 64  # dims up to this extent may also get one block per element
     loop_chunks: tuple[int, ...] = (64, 128, 256, 512)  # elements per iteration along the loop dim
-    splits: tuple[int, ...] = (2, 4, 8, 16, 32)  # grid sizes of dims that produce partial results
+    splits: tuple[int, ...] = (2, 4, 8, 16, 32, 64)  # grid sizes of dims that produce partial results
     instantiations_per_structure: int = 2  # best-ranked concrete sizes verified per structure
     max_instantiations: int = 4096  # concrete size combinations costed per structure
     target: GpuTarget = field(default_factory=GpuTarget)

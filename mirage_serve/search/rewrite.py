@@ -37,7 +37,7 @@ from mirage_serve.mugraph.shapes import TensorInfo, block_tile_infos
 
 log = logging.getLogger(__name__)
 
-__all__ = ["numerically_safe", "split_loop", "stabilize_exp", "unshifted_exps", "variants"]
+__all__ = ["grid_last_dim", "numerically_safe", "split_loop", "stabilize_exp", "unshifted_exps", "variants"]
 
 _SUMS = {"sum": "rescaled_sum", "sum_last": "rescaled_sum_last"}
 
@@ -294,6 +294,66 @@ def split_loop(graph: KernelGraph) -> KernelGraph | None:
         return None
 
 
+def grid_last_dim(graph: KernelGraph) -> list[KernelGraph]:
+    """``graph`` with its last customized operator, when it runs no loop, also gridded along the
+    last dim of its outputs (at a representative size of 2 blocks), one graph for each way of
+    mapping that dim onto its inputs that the partition tags accept: each output varies along the
+    new grid dim exactly in its last dim and no block computes a partial result along it. For the
+    merge kernel of a loop split (split-KV's combine) this spreads the merge of the head dim over
+    more, smaller programs. Every result is only a candidate: the driver verifies it."""
+    from itertools import product
+
+    from mirage_serve.mugraph.serialize import content_hash
+    from mirage_serve.search.enumerate import output_map_of
+
+    idx = max((i for i, op in enumerate(graph.ops) if op.kind == "customized"), default=None)
+    if idx is None or idx != len(graph.ops) - 1:
+        return []
+    op = graph.ops[idx]
+    block = op.block
+    rank = len(block.grid)
+    if rank >= 3 or any(bi.forloop_dim >= 0 for bi in block.inputs):
+        return []
+    info = graph.info
+    kin = [info[t] for t in op.inputs]
+    n_prev = graph.num_tensors - op.num_outputs
+    outs = [info[n_prev + k] for k in range(op.num_outputs)]
+    extents = {o.shape[-1] for o in outs}
+    if len(extents) != 1 or any(len(o.shape) - 1 in bo.output_map for o, bo in zip(outs, block.outputs, strict=True)):
+        return []
+    (extent,) = extents
+    if extent < 4 or extent % 2:
+        return []
+    choices = []
+    for bi in block.inputs:
+        shape = kin[bi.source].shape
+        choices.append([-1] + [d for d in range(len(shape)) if d not in bi.input_map and shape[d] == extent])
+    name = f"g{rank}"
+    found: dict[str, KernelGraph] = {}
+    for combo in product(*choices):
+        if all(d < 0 for d in combo):
+            continue
+        nb = BlockGraph(block.grid + (2,), block.forloop_range,
+                        tuple(BlockInput(bi.source, bi.input_map + (d,), -1) for bi, d in zip(block.inputs, combo, strict=True)),
+                        block.ops,
+                        tuple(BlockOutput(bo.tensor, bo.output_map + (len(o.shape) - 1,)) for bo, o in zip(block.outputs, outs, strict=True)))
+        try:
+            g = KernelGraph(graph.ops[:idx] + (Op.make("customized", op.inputs, block=nb),), graph.outputs).validate()
+            tiles = block_tile_infos(nb, kin)
+        except MuGraphError:
+            continue
+        tags = _tile_tags(nb, kin, tiles)
+        ok = True
+        for bo in nb.outputs:
+            tg = tags[bo.tensor]
+            if tg is None or name in tg.partial or output_map_of(tg, rank + 1) != bo.output_map:
+                ok = False
+                break
+        if ok:
+            found.setdefault(content_hash(g), g)
+    return list(found.values())
+
+
 def variants(graph: KernelGraph) -> list[KernelGraph]:
     """The rewrites of a structure worth verifying: exp-shifted forms of its last
     customized operator, and the loop split of the graph and of each shifted form."""
@@ -315,6 +375,7 @@ def variants(graph: KernelGraph) -> list[KernelGraph]:
         s = split_loop(g)
         if s is not None:
             out.append(s)
+            out.extend(grid_last_dim(s))
     return out
 
 
