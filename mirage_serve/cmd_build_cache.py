@@ -13,9 +13,11 @@ stopped. Decode attention uses the kv_len buckets of :mod:`mirage_serve.models.b
 (1024, 4096, 16384, each capped at the model's context or sliding window).
 
 Buckets of one family (same spec, dtype, options and non-bucketed dims) share structure: the
-first bucket is searched in full, and its best verified μGraphs seed the others — each is
-re-instantiated at the new bucket's shapes (fresh grids and loop ranges) and verified again
-against that bucket's spec. The first bucket of a new family of the same spec (RMSNorm→gate/up
+first bucket is searched in full, and its verified structures (up to ``MAX_SEEDS`` distinct
+ones, cheapest first) seed the others — each is re-instantiated at the new bucket's shapes
+(fresh grids and loop ranges) and verified again against that bucket's spec. A bucket none of
+them fits (a batch-1 GEMV that broadcasts one row over a weight tile does not fit batch 2) is
+searched in full, and its structures then lead the family's seeds for the buckets after it. The first bucket of a new family of the same spec (RMSNorm→gate/up
 after RMSNorm→QKV) is seeded the same way from the structures verified for another family. A
 certificate is never reused across shapes; when no seed re-verifies, that bucket is searched in
 full. When a search ends without a verified fused μGraph, that kernel and the other buckets and
@@ -48,7 +50,7 @@ DEFAULT_TIME_BUDGET_S = 240.0
 BUCKETED_DIMS = ("batch", "kv_len")
 VERIFY_MEMORY_FACTOR = 4
 SEARCH_ENGINE_MODULES = ("mirage_serve.search.abstract", "mirage_serve.search.prune")
-MAX_SEEDS = 4  # verified structures of one bucket tried at the next buckets of the same family
+MAX_SEEDS = 16  # distinct verified structures of one bucket tried at the other buckets of the same family
 
 
 class NoFusedForm(Exception):
@@ -325,6 +327,33 @@ def reinstantiate(graph: Any, spec: Any, config: Any) -> list[Any]:
     return [g for _, g in found[: config.instantiations_per_structure]]
 
 
+def structure_key(graph: Any) -> tuple:
+    """A μGraph's structure: its operators, their inputs and maps, without the grid sizes and loop
+    ranges that ``reinstantiate`` chooses afresh for other shapes (input operators by name only)."""
+    return tuple((op.kind, op.attr("name")) if op.kind == "input" else
+                 (op.kind, op.inputs, op.attrs, (op.block.inputs, op.block.ops, op.block.outputs) if op.block else None)
+                 for op in graph.ops)
+
+
+def distinct_structures(graphs: list[Any], limit: int = MAX_SEEDS) -> list[Any]:
+    """The first graph of each structure in ``graphs`` (kept in order), at most ``limit`` of them."""
+    out, seen = [], set()
+    for g in graphs:
+        k = structure_key(g)
+        if k not in seen:
+            seen.add(k)
+            out.append(g)
+            if len(out) >= limit:
+                break
+    return out
+
+
+def merged_seeds(new: list[Any], old: list[Any] | None) -> list[Any]:
+    """The seeds of a family after a bucket of it was searched afresh: the new bucket's structures
+    first (they fit shapes the old ones did not), then the old ones not among them."""
+    return distinct_structures(list(new) + list(old or []), limit=2 * MAX_SEEDS)
+
+
 def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None) -> list[Any] | None:
     """The structures to seed a bucket with: its family's own first, then those verified for other
     families of the same spec (a structure verified at batch 1 may fit batch 1 only); None if none."""
@@ -513,7 +542,7 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         details["origin"] = chosen.origin
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
-                          details=details, graphs=[r.graph for r in ranked[:MAX_SEEDS]])
+                          details=details, graphs=distinct_structures([r.graph for r in ranked]))
     except NoFusedForm as e:
         record_no_fusion(cache, key, opts.time_budget_s, str(e))
         return ItemResult(item, "original", message=str(e), seconds=time.perf_counter() - t0)
@@ -663,8 +692,9 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds_for(seeds.get(family), spec_seeds.get(kind)))
                 results.append(r)
-                if r.graphs and family not in seeds:
-                    seeds[family] = r.graphs
+                if r.graphs and (family not in seeds or r.details.get("origin") == "search"):
+                    # a bucket its family's seeds did not fit was searched: its structures seed the rest too
+                    seeds[family] = merged_seeds(r.graphs, seeds.get(family))
                 if r.graphs and kind not in spec_seeds:
                     spec_seeds[kind] = r.graphs
                 if r.status == "original" and kind not in spec_seeds:

@@ -206,6 +206,30 @@ def test_a_bucket_is_seeded_from_its_family_first_then_from_other_families():
     assert cmd_build_cache.reinstantiate(other, spec, SearchConfig())
 
 
+def test_seeds_are_distinct_structures_and_a_freshly_searched_bucket_leads_them(capsys, tmp_path, monkeypatch):
+    from tests.handwritten import fused_rmsnorm_linear
+
+    a1, a2 = fused_rmsnorm_linear(1, 256, 128, n_blocks=4, loop=2), fused_rmsnorm_linear(1, 256, 128, n_blocks=2, loop=4)
+    b = fused_rmsnorm_linear(1, 256, 128, n_blocks=4, loop=2, eps=1e-5)  # another structure (its norm's eps)
+    assert a1 != a2 and cmd_build_cache.structure_key(a1) == cmd_build_cache.structure_key(a2) != cmd_build_cache.structure_key(b)
+    assert cmd_build_cache.distinct_structures([a1, a2, b]) == [a1, b]
+    assert cmd_build_cache.merged_seeds([b], [a1, a2]) == [b, a1]
+
+    # the run loop: batch 1's structures do not fit batch 2 (searched afresh); batch 4 gets batch 2's first
+    seen: dict[int, list] = {}
+
+    def fake_build(item, cache, arch, opts, seeds=None):
+        batch = item.subgraph.dims["batch"]
+        seen[batch] = list(seeds or [])
+        graph, origin = {1: (a1, "search"), 2: (b, "search"), 4: (b, "seeded")}[batch]
+        return cmd_build_cache.ItemResult(item, "built", verified=True, graphs=[graph], details={"origin": origin})
+
+    monkeypatch.setattr(cmd_build_cache, "build_item", fake_build)
+    rc, report = run_json(capsys, "--batch-sizes", "1,2,4", "--only", "gated_mlp", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and report["counts"]["built"] == 3
+    assert seen == {1: [], 2: [a1], 4: [b, a1]}
+
+
 def test_a_bucket_too_large_to_verify_here_runs_the_original_code(capsys, tmp_path, monkeypatch):
     """Nothing unverified is cached, the build does not fail, and the bucket is not recorded as
     having no fused form (a build on a larger machine searches it)."""
