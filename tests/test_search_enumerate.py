@@ -193,3 +193,27 @@ def test_final_operator_grids_only_over_output_labels():
     assert any(c.input_maps == ((0,), (0,), (0,)) and c.forloop_dims == (-1, 1, 1) for c in final)
     # the split-KV partial kernel's choice (grid also over the KV length) is not final
     assert any(c.input_maps == ((0, -1), (0, 1), (0, 1)) and c not in final for c in choices)
+
+
+def test_map_choices_stream_every_input_along_the_loop_label():
+    """A loop over a label streams every input carrying it: holding one input's whole extent
+    of the label while another streams a chunk of it combines nothing (RMSNorm→linear: X and W
+    both loop over the hidden dim or neither does; attention: K and V both over the KV length)."""
+    from mirage_serve.search.enumerate import prefix_graph
+    from mirage_serve.search.labels import kernel_labels
+
+    for name, dims in [("rmsnorm_linear", dict(batch=2, hidden=64, out=32)),
+                       ("attention_decode", dict(batch=1, q_heads=4, kv_heads=2, head_dim=32, kv_len=64))]:
+        spec = build_spec(name, dims)
+        vocab = Vocabulary.from_spec(spec)
+        g = prefix_graph(tuple(op for op in spec.ops if op.kind == "input"))
+        infos, labels = list(g.info), kernel_labels(g, vocab.labels)
+        choices = map_choices(infos, 2, None, labels, vocab.labels)
+        looped = [c for c in choices if any(f >= 0 for f in c.forloop_dims)]
+        assert looped, name
+        for c in looped:
+            (label,) = {labels[j][f] for j, f in enumerate(c.forloop_dims) if f >= 0}
+            carriers = [j for j in range(len(infos)) if label in labels[j]]
+            assert all(c.forloop_dims[j] >= 0 for j in carriers), (name, c)
+    # decode attention's single-loop choice (K and V stream the KV length, Q is whole) is kept
+    assert any(c.input_maps == ((0,), (0,), (0,)) and c.forloop_dims == (-1, 1, 1) for c in choices)

@@ -494,7 +494,7 @@ def map_choices(infos: list[TensorInfo], max_grid_dims: int, counters: Counters 
     appear in canonical order (their per-input columns sorted). With index labels
     (``labels`` of the inputs, ``spec_lab``): the dims one grid dim splits carry
     one label, every input carrying that label is split along it, and the loop runs along a label the spec contracts (a loop tile
-    leaves the loop only through an accumulator, which sums or maxes along it)."""
+    leaves the loop only through an accumulator, which sums or maxes along it), in every input that carries it."""
     counters = counters or Counters()
     out: list[MapChoice] = []
     for rank in range(1, max_grid_dims + 1):
@@ -536,7 +536,16 @@ def _labels_fit(combo, rank: int, labels: list, spec_lab: SpecLabels) -> bool:
                 if label in labels[j] and m[g] < 0:
                     return False
     loop = {labels[j][f] for j, (_, f) in enumerate(combo) if f >= 0} - {None}
-    return len(loop) <= 1 and all(spec_lab.is_contracted(x) for x in loop)
+    if len(loop) > 1 or not all(spec_lab.is_contracted(x) for x in loop):
+        return False
+    # aligned loop: every input carrying the loop's label streams along it. A block holding one
+    # input's whole extent of it and another's chunk can only combine them at forloop_range 1,
+    # which is the choice where neither streams
+    for label in loop:
+        for j, (_, f) in enumerate(combo):
+            if label in labels[j] and (f < 0 or labels[j][f] != label):
+                return False
+    return True
 
 
 def final_grid_ok(choice: MapChoice, labels: list, spec_lab: SpecLabels) -> bool:
