@@ -18,7 +18,9 @@ ones, cheapest first) seed the others — each is re-instantiated at the new buc
 (fresh grids and loop ranges) and verified again against that bucket's spec. A bucket none of
 them fits (a batch-1 GEMV that broadcasts one row over a weight tile does not fit batch 2) is
 searched in full, and its structures then lead the family's seeds for the buckets after it. The first bucket of a new family of the same spec (RMSNorm→gate/up
-after RMSNorm→QKV) is seeded the same way from the structures verified for another family. A
+after RMSNorm→QKV) is seeded the same way from the structures verified for another family, and then
+from the entries of the same spec, dtype and options already in the cache (another model built into
+the same cache: Qwen2.5-7B after Qwen3-8B). A
 certificate is never reused across shapes; when no seed re-verifies, that bucket is searched in
 full. When a search ends without a verified fused μGraph, that kernel and the other buckets and
 families of its spec are reported as ``original`` (the model's own code runs there; not a
@@ -168,10 +170,11 @@ def _require(step: str, module: str, *names: str) -> list[Any]:
     return [getattr(mod, n) for n in names]
 
 
-def open_cache(cache_dir: str | None) -> Any:
-    """``KernelCache(cache_dir)``; None means the default cache ($MIRAGE_SERVE_CACHE or the platform cache dir)."""
+def open_cache(cache_dir: str | None, no_package: bool = False) -> Any:
+    """``KernelCache(cache_dir)``; None means the default cache ($MIRAGE_SERVE_CACHE or the platform cache dir).
+    ``no_package``: without the read-only entries shipped with mirage-serve."""
     (kernel_cache,) = _require("lookup", "mirage_serve.cache", "KernelCache")
-    return kernel_cache(cache_dir)
+    return kernel_cache(cache_dir, readonly_dirs=() if no_package else None)
 
 
 def current_arch() -> str:
@@ -354,12 +357,39 @@ def merged_seeds(new: list[Any], old: list[Any] | None) -> list[Any]:
     return distinct_structures(list(new) + list(old or []), limit=2 * MAX_SEEDS)
 
 
-def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None) -> list[Any] | None:
+def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None, cached_seeds: list[Any] | None = None) -> list[Any] | None:
     """The structures to seed a bucket with: its family's own first, then those verified for other
-    families of the same spec (a structure verified at batch 1 may fit batch 1 only); None if none."""
-    own = list(family_seeds or [])
-    out = own + [g for g in spec_seeds or [] if g not in own]
+    families of the same spec in this run (a structure verified at batch 1 may fit batch 1 only),
+    then those of the cache's entries of the same spec (another model's build); None if none."""
+    out = list(family_seeds or [])
+    for g in [*(spec_seeds or []), *(cached_seeds or [])]:
+        if g not in out:
+            out.append(g)
     return out or None
+
+
+def cache_seeds(cache: Any, kinds: set[tuple]) -> dict[tuple, list[Any]]:
+    """The distinct structures of the cache's usable entries (user cache, then the package's), per
+    spec kind among ``kinds``: a model built earlier into the same cache seeds the searches of the
+    next one. Every seed is re-instantiated and verified afresh at the new shapes; an entry that
+    fails the cache's checks is skipped here as it is everywhere."""
+    from mirage_serve.mugraph.graph import MuGraphError
+
+    try:
+        entries = cache.entries()
+    except Exception as e:  # an unreadable cache directory: no seeds, the searches run in full
+        log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
+        return {}
+    graphs: dict[tuple, list[Any]] = {}
+    for entry in entries:
+        k = entry.key
+        kind = (k.spec, k.dtype, tuple(sorted(dict(k.options).items())))
+        if kind in kinds:
+            try:
+                graphs.setdefault(kind, []).append(entry.graph)
+            except MuGraphError as e:
+                log.warning("skipping the cache entry %s as a seed (%s)", k.entry_id, e)
+    return {kind: distinct_structures(gs) for kind, gs in graphs.items()}
 
 
 def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str) -> tuple[list[Found], dict[str, Any]]:
@@ -564,6 +594,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help=f"decode batch buckets (default {DEFAULT_BATCH_SIZES})")
     parser.add_argument("--kv-lens", default=None, help="decode-attention kv_len buckets (default 1024,4096,16384, capped at the model's context)")
     parser.add_argument("--cache-dir", default=None, help="kernel cache directory (default: $MIRAGE_SERVE_CACHE or the platform cache dir)")
+    parser.add_argument("--no-package", action="store_true",
+                        help="ignore the read-only entries shipped with mirage-serve (build every kernel into the cache dir)")
     parser.add_argument("--dry-run", action="store_true", help="list the subgraphs and buckets that would be built, build nothing")
     parser.add_argument("--rebuild", action="store_true", help="rebuild entries that are already cached")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes of the search for each subgraph (default 2)")
@@ -648,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
     cache_error = None
     arch = "unprofiled"
     try:
-        cache = open_cache(args.cache_dir)
+        cache = open_cache(args.cache_dir, args.no_package)
         arch = current_arch()
         header["cache_dir"] = str(cache.root)
         header["gpu_arch"] = arch
@@ -675,6 +707,11 @@ def run(args: argparse.Namespace) -> int:
         seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
         unfusable: dict[tuple, str] = {}  # (spec, dtype, options) -> the kernel whose search found no fused form
+        cached: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures of entries already in the cache
+        if cache is not None and not args.no_seed:
+            cached = cache_seeds(cache, {spec_kind_of(item.subgraph) for item in items})
+            if cached:
+                log.info("seeds from the cache's entries: %s", ", ".join(f"{k[0]} ({len(v)})" for k, v in cached.items()))
         from tqdm import tqdm
 
         bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
@@ -686,11 +723,11 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 family = family_of(item.subgraph)
                 kind = spec_kind_of(item.subgraph)
-                if not args.no_seed and kind in unfusable and kind not in spec_seeds:
+                if not args.no_seed and kind in unfusable and kind not in spec_seeds and kind not in cached:
                     results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form for "
                                                                          f"{unfusable[kind]} (--no-seed searches every bucket)"))
                     continue
-                r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds_for(seeds.get(family), spec_seeds.get(kind)))
+                r = build_item(item, cache, arch, opts, seeds=None if args.no_seed else seeds_for(seeds.get(family), spec_seeds.get(kind), cached.get(kind)))
                 results.append(r)
                 if r.graphs and (family not in seeds or r.details.get("origin") == "search"):
                     # a bucket its family's seeds did not fit was searched: its structures seed the rest too

@@ -241,3 +241,55 @@ def test_a_bucket_too_large_to_verify_here_runs_the_original_code(capsys, tmp_pa
         assert r["status"] == "original" and r["entry_id"] is None
         assert "GiB" in r["message"] and "larger machine" in r["message"]
     assert not list(tmp_path.rglob("*.json"))
+
+
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "vocab_size": 64, "torch_dtype": "float32",
+}
+
+
+def test_entries_already_in_the_cache_seed_another_models_build(capsys, tmp_path):
+    """A model built earlier into the same cache seeds the next one: the structure of a cached
+    RMSNorm→linear entry (other dims, same spec, dtype and eps) is re-instantiated at the new
+    model's shapes and verified there afresh, so no search runs; --no-seed searches."""
+    from mirage_serve.cache import CacheEntry, CacheKey, KernelCache
+    from mirage_serve.specs import build_spec
+    from mirage_serve.verify import verify_equivalent
+    from tests.handwritten import fused_rmsnorm_linear
+
+    cache_dir = tmp_path / "c"
+    key = CacheKey("rmsnorm_linear", {"batch": 4, "hidden": 256, "out": 32}, "float32", "unprofiled", options={"eps": 1e-5})
+    graph = fused_rmsnorm_linear(4, 256, 32, n_blocks=4, loop=4, eps=1e-5)
+    cert = verify_equivalent(graph, build_spec("rmsnorm_linear", key.dims_dict, "float32", eps=1e-5), trials=2)
+    assert cert.verdict == "equivalent"
+    KernelCache(cache_dir, readonly_dirs=()).put(CacheEntry.create(key, graph, certificate=cert, params={}, timings={}))
+    seeds = cmd_build_cache.cache_seeds(KernelCache(cache_dir, readonly_dirs=()), {("rmsnorm_linear", "float32", (("eps", 1e-5),))})
+    assert list(seeds.values()) == [[graph]]
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    rc, report = run_json(capsys, str(model), "--only", "attn_norm_qkv", "--batch-sizes", "2", "--cache-dir", str(cache_dir),
+                          "--no-package", "--time-budget", "30")
+    (r,) = report["results"]
+    assert rc == 0 and r["status"] == "built", r
+    assert r["details"]["origin"] == "seeded" and "search" not in r["details"], r["details"]
+    assert r["details"]["seeded"]["verified"] == 1
+
+
+def test_no_seed_ignores_the_cache_entries(capsys, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kinds: seen.append(kinds) or {})
+    rc, _ = run_json(capsys, "--only", "attn_norm_qkv", "--batch-sizes", "1", "--dry-run", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and not seen  # a dry run builds nothing and reads no seeds
+
+    def fake_build(item, cache, arch, opts, seeds=None):
+        return cmd_build_cache.ItemResult(item, "built", verified=True, details={"origin": "search"})
+
+    monkeypatch.setattr(cmd_build_cache, "build_item", fake_build)
+    run_json(capsys, "--only", "attn_norm_qkv", "--batch-sizes", "1", "--no-seed", "--cache-dir", str(tmp_path / "c"))
+    assert not seen
+    run_json(capsys, "--only", "attn_norm_qkv", "--batch-sizes", "1", "--cache-dir", str(tmp_path / "c"))
+    assert len(seen) == 1

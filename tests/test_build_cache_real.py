@@ -56,7 +56,7 @@ def tiny_model_dir(tmp_path):
 
 def build(capsys, model_dir, cache_dir, *extra: str) -> tuple[int, dict]:
     rc = main(["build-cache", str(model_dir), "--batch-sizes", "1,2", "--only", "gated_mlp",
-               "--cache-dir", str(cache_dir), "--time-budget", str(TIME_BUDGET_S), "--jobs", "2", "--json", *extra])
+               "--cache-dir", str(cache_dir), "--no-package", "--time-budget", str(TIME_BUDGET_S), "--jobs", "2", "--json", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
 
