@@ -376,7 +376,7 @@ def cache_seeds(cache: Any, kinds: set[tuple]) -> dict[tuple, list[Any]]:
     from mirage_serve.mugraph.graph import MuGraphError
 
     try:
-        entries = cache.entries()
+        entries = cache.entries(specs={kind[0] for kind in kinds})
     except Exception as e:  # an unreadable cache directory: no seeds, the searches run in full
         log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
         return {}
@@ -587,6 +587,16 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
 # the command
 
 
+def _needs_build(cache: Any, item: WorkItem, arch: str, rebuild: bool) -> bool:
+    """Whether ``build_item`` will build ``item`` rather than find it cached (a lookup error: it will report it)."""
+    if rebuild:
+        return True
+    try:
+        return lookup(cache, make_key(item.subgraph, arch)) is None
+    except StepError:
+        return True
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_id", nargs="?", default=DEFAULT_MODEL_ID,
                         help=f"a directory with config.json, a Hugging Face id in the local HF cache, or a bundled id "
@@ -708,10 +718,6 @@ def run(args: argparse.Namespace) -> int:
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
         unfusable: dict[tuple, str] = {}  # (spec, dtype, options) -> the kernel whose search found no fused form
         cached: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures of entries already in the cache
-        if cache is not None and not args.no_seed:
-            cached = cache_seeds(cache, {spec_kind_of(item.subgraph) for item in items})
-            if cached:
-                log.info("seeds from the cache's entries: %s", ", ".join(f"{k[0]} ({len(v)})" for k, v in cached.items()))
         from tqdm import tqdm
 
         bar = tqdm(items, desc="build-cache", unit="kernel", disable=None, file=sys.stderr)
@@ -723,7 +729,13 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 family = family_of(item.subgraph)
                 kind = spec_kind_of(item.subgraph)
-                if not args.no_seed and kind in unfusable and kind not in spec_seeds and kind not in cached:
+                if not args.no_seed and kind not in cached and kind not in spec_seeds and _needs_build(cache, item, arch, args.rebuild):
+                    # the first bucket of this spec to build: the cache's entries of the same spec (read
+                    # only now, so a run that finds everything cached reads no other entry) may seed it
+                    cached[kind] = cache_seeds(cache, {kind}).get(kind, [])
+                    if cached[kind]:
+                        log.info("%s: %d structures of the cache's entries seed it", item.describe(), len(cached[kind]))
+                if not args.no_seed and kind in unfusable and kind not in spec_seeds and not cached.get(kind):
                     results.append(ItemResult(item, "original", message=f"not searched: the search found no fused form for "
                                                                          f"{unfusable[kind]} (--no-seed searches every bucket)"))
                     continue

@@ -277,6 +277,21 @@ def test_entries_already_in_the_cache_seed_another_models_build(capsys, tmp_path
     assert rc == 0 and r["status"] == "built", r
     assert r["details"]["origin"] == "seeded" and "search" not in r["details"], r["details"]
     assert r["details"]["seeded"]["verified"] == 1
+    # only the entry files of the wanted specs are read
+    assert [e.key.spec for e in KernelCache(cache_dir, readonly_dirs=()).entries(specs={"gated_mlp"})] == []
+    assert len(KernelCache(cache_dir, readonly_dirs=()).entries(specs={"rmsnorm_linear"})) == 2
+
+
+def test_a_run_that_finds_everything_cached_reads_no_seeds(capsys, tmp_path, monkeypatch):
+    def fake_build(item, cache, arch, opts, seeds=None):
+        return cmd_build_cache.ItemResult(item, "cached", verified=True)
+
+    seen = []
+    monkeypatch.setattr(cmd_build_cache, "build_item", fake_build)
+    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kinds: seen.append(kinds) or {})
+    monkeypatch.setattr(cmd_build_cache, "lookup", lambda cache, key: object())  # every key present
+    rc, report = run_json(capsys, "--only", "attn_norm_qkv,gated_mlp", "--batch-sizes", "1,2", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and report["counts"]["cached"] == 4 and not seen
 
 
 def test_no_seed_ignores_the_cache_entries(capsys, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -394,12 +394,16 @@ class KernelCache:
             (rej / (dest.name + ".reason")).write_text(reason + "\n", encoding="utf-8")
         return dest
 
-    def scan(self) -> list[ScanItem]:
-        """Every file in every cache directory, checked (nothing is moved or changed)."""
+    def scan(self, specs: Iterable[str] | None = None) -> list[ScanItem]:
+        """Every file in every cache directory, checked (nothing is moved or changed).
+        ``specs``: only the entry files of these specs (named ``<spec>-<hash>.json``), nothing else."""
+        wanted = None if specs is None else set(specs)
         items: list[ScanItem] = []
         for d in self._dirs:
             if d.entries_dir_ok():
                 for p in sorted(d.entries.iterdir()):
+                    if wanted is not None and (not p.name.endswith(".json") or p.name.rpartition("-")[0] not in wanted):
+                        continue
                     if p.name.startswith(TMP_PREFIX):
                         items.append(ScanItem(p, d.location, "temp", reason="temporary file of an unfinished write"))
                         continue
@@ -412,7 +416,7 @@ class KernelCache:
                     except OSError as e:
                         items.append(ScanItem(p, d.location, "corrupt", reason=f"unreadable: {e}"))
             rej = d.root / REJECTED
-            if d.writable and rej.is_dir() and not rej.is_symlink():
+            if wanted is None and d.writable and rej.is_dir() and not rej.is_symlink():
                 for p in sorted(rej.iterdir()):
                     if p.name.endswith(".reason"):
                         continue
@@ -421,11 +425,12 @@ class KernelCache:
                     items.append(ScanItem(p, d.location, "rejected", reason=reason))
         return items
 
-    def entries(self) -> list[CacheEntry]:
-        """All usable entries (user cache first; a key in both is listed once, from the user cache)."""
+    def entries(self, specs: Iterable[str] | None = None) -> list[CacheEntry]:
+        """All usable entries (user cache first; a key in both is listed once, from the user cache);
+        ``specs``: only those of these spec names."""
         seen: set[str] = set()
         out = []
-        for item in self.scan():
+        for item in self.scan(specs):
             if item.state == "ok" and item.entry is not None and item.entry.key.digest not in seen:
                 seen.add(item.entry.key.digest)
                 out.append(item.entry)
