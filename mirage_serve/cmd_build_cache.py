@@ -411,6 +411,9 @@ def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptio
     if not graphs:
         return [], stats
     order = [r.graph for r in rank_candidates(list(graphs.values()), device="cpu", spec=spec)] if device == "cpu" else list(graphs.values())
+    # guarded before unguarded (a seed that drops the spec's max guard on exp is tried last)
+    (numerically_safe,) = _require("search", "mirage_serve.search.rewrite", "numerically_safe")
+    order.sort(key=lambda g: not numerically_safe(g, spec))
     out: list[Found] = []
     for g in order:
         try:
@@ -530,8 +533,12 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         # candidates: seeded from another bucket's verified structures when possible, else searched
         found: list[Found] = []
         details: dict[str, Any] = {}
+        (numerically_safe,) = _require("search", "mirage_serve.search.rewrite", "numerically_safe")
         if seeds:
             found, details["seeded"] = seeded_candidates(seeds, spec, config, opts, "cuda" if arch != "unprofiled" else "cpu")
+            if found and not any(numerically_safe(f.graph, spec) for f in found):
+                log.info("%s: only seeds without the spec's max guard on exp verified; searching", item.describe())
+                found = []
         if not found:
             found, details["search"] = searched_candidates(spec, config, opts)
 
@@ -540,16 +547,18 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         compilable = [f for f in found if supports(f.graph)]
         if not compilable:
             raise StepError("codegen", f"codegen supports none of the {len(found)} verified candidates")
-        # a candidate that drops a max guard the spec puts on an exp (an unshifted softmax) overflows on
-        # large scores: it is only kept when no guarded candidate verified
-        (numerically_safe,) = _require("search", "mirage_serve.search.rewrite", "numerically_safe")
+        # a candidate that drops a max guard the spec puts on an exp (an unshifted softmax) is equal to the
+        # spec in exact arithmetic but overflows in floating point once a score exceeds ~88: never cached
         safe = [f for f in compilable if numerically_safe(f.graph, spec)]
-        if safe and len(safe) < len(compilable):
+        if not safe:
+            return ItemResult(item, "original", seconds=time.perf_counter() - t0,
+                              message=f"every one of the {len(compilable)} verified candidates drops the spec's max guard on exp "
+                                      "(exp of unshifted scores overflows in floating point), so none is cached; the original "
+                                      "code runs here; a larger --time-budget may find a guarded one")
+        if len(safe) < len(compilable):
             log.info("%s: %d of %d candidates drop the spec's max guard on exp; ranking the %d guarded ones",
                      item.name, len(compilable) - len(safe), len(compilable), len(safe))
             compilable = safe
-        elif not safe:
-            log.warning("every verified candidate drops the spec's max guard on exp; large scores may overflow")
 
         # tune: GPU profile when available, else the analytical cost model (unprofiled)
         (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")

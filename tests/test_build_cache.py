@@ -16,7 +16,8 @@ from mirage_serve.models.base import Subgraph  # noqa: E402
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:
-    rc = main(["build-cache", *argv, "--json"])
+    """``build-cache ARGV --json`` without the shipped entries (which would make the bundled models cached)."""
+    rc = main(["build-cache", *argv, "--json", *([] if "--no-package" in argv else ["--no-package"])])
     return rc, json.loads(capsys.readouterr().out)
 
 
@@ -96,7 +97,7 @@ def test_a_missing_step_fails_clearly_and_writes_nothing(capsys, tmp_path, monke
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(cmd_build_cache.importlib, "import_module", without_search)
-    rc, report = run_json(capsys, "--batch-sizes", "1", "--kv-lens", "1024", "--cache-dir", str(tmp_path / "c"))
+    rc, report = run_json(capsys, "--batch-sizes", "1", "--kv-lens", "1024", "--cache-dir", str(tmp_path / "c"), "--no-package")
     assert rc == 1
     assert report["counts"]["built"] == 0 and report["counts"]["failed"] == report["distinct_kernels"]
     for r in report["results"]:
@@ -308,3 +309,44 @@ def test_no_seed_ignores_the_cache_entries(capsys, tmp_path, monkeypatch):
     assert not seen
     run_json(capsys, "--only", "attn_norm_qkv", "--batch-sizes", "1", "--cache-dir", str(tmp_path / "c"))
     assert len(seen) == 1
+
+
+def test_seeds_that_keep_the_max_guard_are_verified_first(monkeypatch):
+    """Seeded candidates are tried guarded-first: one that drops the spec's max guard on exp is only
+    reached when no guarded one verifies (here the fused kernel plays the unguarded one)."""
+    from mirage_serve.search import rewrite
+    from mirage_serve.search.config import SearchConfig
+    from mirage_serve.specs import build_spec
+    from tests.handwritten import fused_rmsnorm_linear
+
+    spec = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 256, "out": 64}, "float32", eps=1e-5)
+    seeds = [fused_rmsnorm_linear(1, 256, 32, n_blocks=2, loop=2, eps=1e-5), spec]
+    opts = cmd_build_cache.BuildOptions(time_budget_s=5, jobs=1, rebuild=False, trials=2)
+    fused = lambda g: any(op.kind == "customized" for op in g.ops)
+    found, _ = cmd_build_cache.seeded_candidates(seeds, spec, SearchConfig(), opts, "cpu")
+    assert fused(found[0].graph)  # the cost model's choice when both are guarded
+    monkeypatch.setattr(rewrite, "numerically_safe", lambda g, s: not fused(g))
+    found, _ = cmd_build_cache.seeded_candidates(seeds, spec, SearchConfig(), opts, "cpu")
+    assert not fused(found[0].graph)
+
+
+def test_candidates_without_the_max_guard_are_never_cached(capsys, tmp_path, monkeypatch):
+    from mirage_serve.search import rewrite
+    from mirage_serve.specs import build_spec
+    from mirage_serve.verify import verify_equivalent
+    from tests.handwritten import fused_rmsnorm_linear
+
+    graph = fused_rmsnorm_linear(2, 64, 128, n_blocks=2, loop=2, eps=1e-5)
+    cert = verify_equivalent(graph, build_spec("rmsnorm_linear", {"batch": 2, "hidden": 64, "out": 128}, "float32", eps=1e-5), trials=2)
+    assert cert.verdict == "equivalent"
+    monkeypatch.setattr(cmd_build_cache, "searched_candidates",
+                        lambda spec, config, opts: ([cmd_build_cache.Found(graph, cert, "search")], {}))
+    monkeypatch.setattr(rewrite, "numerically_safe", lambda g, s: False)  # every candidate drops the guard
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    rc, report = run_json(capsys, str(model), "--only", "attn_norm_qkv", "--batch-sizes", "2", "--cache-dir", str(tmp_path / "c"),
+                          "--no-package", "--time-budget", "5")
+    (r,) = report["results"]
+    assert rc == 0 and r["status"] == "original" and "max guard" in r["message"], r["message"]
+    assert not list((tmp_path / "c").rglob("entries/*.json"))
