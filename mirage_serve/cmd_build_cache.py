@@ -296,11 +296,16 @@ def family_of(subgraph: Any) -> tuple:
     return (subgraph.spec_name, dims, subgraph.dtype, tuple(sorted(subgraph.options.items())))
 
 
+def spec_kind(spec_name: str, dtype: str, options: dict[str, Any]) -> tuple:
+    """The key that groups kernels of one spec, dtype and options, whatever their dims."""
+    return (spec_name, dtype, tuple(sorted(options.items())))
+
+
 def spec_kind_of(subgraph: Any) -> tuple:
     """Subgraphs of one spec, dtype and options, whatever their dims: a structure found for one
     (say RMSNorm→QKV) is tried, re-instantiated and verified afresh, for another (RMSNorm→gate/up)
     before a search is started for it."""
-    return (subgraph.spec_name, subgraph.dtype, tuple(sorted(subgraph.options.items())))
+    return spec_kind(subgraph.spec_name, subgraph.dtype, subgraph.options)
 
 
 @dataclass
@@ -368,28 +373,17 @@ def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None, cach
     return out or None
 
 
-def cache_seeds(cache: Any, kinds: set[tuple]) -> dict[tuple, list[Any]]:
-    """The distinct structures of the cache's usable entries (user cache, then the package's), per
-    spec kind among ``kinds``: a model built earlier into the same cache seeds the searches of the
-    next one. Every seed is re-instantiated and verified afresh at the new shapes; an entry that
-    fails the cache's checks is skipped here as it is everywhere."""
-    from mirage_serve.mugraph.graph import MuGraphError
-
+def cache_seeds(cache: Any, kind: tuple) -> list[Any]:
+    """The distinct structures of the cache's usable entries (user cache, then the package's) of the
+    spec kind ``kind`` (:func:`spec_kind`): a model built earlier into the same cache seeds the
+    searches of the next one. Every seed is re-instantiated and verified afresh at the new shapes;
+    an entry that fails the cache's checks is skipped here as it is everywhere."""
     try:
-        entries = cache.entries(specs={kind[0] for kind in kinds})
+        entries = cache.entries(specs={kind[0]})
     except Exception as e:  # an unreadable cache directory: no seeds, the searches run in full
         log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
-        return {}
-    graphs: dict[tuple, list[Any]] = {}
-    for entry in entries:
-        k = entry.key
-        kind = (k.spec, k.dtype, tuple(sorted(dict(k.options).items())))
-        if kind in kinds:
-            try:
-                graphs.setdefault(kind, []).append(entry.graph)
-            except MuGraphError as e:
-                log.warning("skipping the cache entry %s as a seed (%s)", k.entry_id, e)
-    return {kind: distinct_structures(gs) for kind, gs in graphs.items()}
+        return []
+    return distinct_structures([e.graph for e in entries if spec_kind(e.key.spec, e.key.dtype, e.key.options_dict) == kind])
 
 
 def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str) -> tuple[list[Found], dict[str, Any]]:
@@ -741,7 +735,7 @@ def run(args: argparse.Namespace) -> int:
                 if not args.no_seed and kind not in cached and kind not in spec_seeds and _needs_build(cache, item, arch, args.rebuild):
                     # the first bucket of this spec to build: the cache's entries of the same spec (read
                     # only now, so a run that finds everything cached reads no other entry) may seed it
-                    cached[kind] = cache_seeds(cache, {kind}).get(kind, [])
+                    cached[kind] = cache_seeds(cache, kind)
                     if cached[kind]:
                         log.info("%s: %d structures of the cache's entries seed it", item.describe(), len(cached[kind]))
                 if not args.no_seed and kind in unfusable and kind not in spec_seeds and not cached.get(kind):

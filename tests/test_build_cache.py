@@ -266,8 +266,8 @@ def test_entries_already_in_the_cache_seed_another_models_build(capsys, tmp_path
     cert = verify_equivalent(graph, build_spec("rmsnorm_linear", key.dims_dict, "float32", eps=1e-5), trials=2)
     assert cert.verdict == "equivalent"
     KernelCache(cache_dir, readonly_dirs=()).put(CacheEntry.create(key, graph, certificate=cert, params={}, timings={}))
-    seeds = cmd_build_cache.cache_seeds(KernelCache(cache_dir, readonly_dirs=()), {("rmsnorm_linear", "float32", (("eps", 1e-5),))})
-    assert list(seeds.values()) == [[graph]]
+    seeds = cmd_build_cache.cache_seeds(KernelCache(cache_dir, readonly_dirs=()), ("rmsnorm_linear", "float32", (("eps", 1e-5),)))
+    assert seeds == [graph]
 
     model = tmp_path / "tiny"
     model.mkdir()
@@ -289,7 +289,7 @@ def test_a_run_that_finds_everything_cached_reads_no_seeds(capsys, tmp_path, mon
 
     seen = []
     monkeypatch.setattr(cmd_build_cache, "build_item", fake_build)
-    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kinds: seen.append(kinds) or {})
+    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kind: seen.append(kind) or [])
     monkeypatch.setattr(cmd_build_cache, "lookup", lambda cache, key: object())  # every key present
     rc, report = run_json(capsys, "--only", "attn_norm_qkv,gated_mlp", "--batch-sizes", "1,2", "--cache-dir", str(tmp_path / "c"))
     assert rc == 0 and report["counts"]["cached"] == 4 and not seen
@@ -297,7 +297,7 @@ def test_a_run_that_finds_everything_cached_reads_no_seeds(capsys, tmp_path, mon
 
 def test_no_seed_ignores_the_cache_entries(capsys, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kinds: seen.append(kinds) or {})
+    monkeypatch.setattr(cmd_build_cache, "cache_seeds", lambda cache, kind: seen.append(kind) or [])
     rc, _ = run_json(capsys, "--only", "attn_norm_qkv", "--batch-sizes", "1", "--dry-run", "--cache-dir", str(tmp_path / "c"))
     assert rc == 0 and not seen  # a dry run builds nothing and reads no seeds
 
