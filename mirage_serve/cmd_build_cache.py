@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
 DEFAULT_TIME_BUDGET_S = 240.0
+DEFAULT_PATIENCE_S = 60.0  # a search stops this long after its last improvement (once its best is guarded)
 BUCKETED_DIMS = ("batch", "kv_len")
 VERIFY_MEMORY_FACTOR = 4
 SEARCH_ENGINE_MODULES = ("mirage_serve.search.abstract", "mirage_serve.search.prune")
@@ -211,6 +212,7 @@ class BuildOptions:
     time_budget_s: float
     jobs: int
     rebuild: bool
+    patience_s: float | None = None
     trials: int = 3
     seed: int = 0
     max_candidates: int = 8  # best candidates (by the search's own cost) carried into ranking
@@ -522,7 +524,8 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
                                       f"memory and {have / 2**30:.0f} GiB is available; the original code runs for this "
                                       "bucket; build it on a larger machine or leave it out (--batch-sizes / --kv-lens)")
         (search_config,) = _require("search", "mirage_serve.search", "SearchConfig")
-        config = search_config(time_budget_s=opts.time_budget_s, jobs=opts.jobs, trials=opts.trials, seed=opts.seed, progress=False)
+        config = search_config(time_budget_s=opts.time_budget_s, patience_s=opts.patience_s, jobs=opts.jobs, trials=opts.trials,
+                               seed=opts.seed, progress=False)
 
         # candidates: seeded from another bucket's verified structures when possible, else searched
         found: list[Found] = []
@@ -615,6 +618,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel degree: heads and intermediate are divided by it")
     parser.add_argument("--lora-config", default=None, help="peft adapter_config.json (or its directory): adds lora_linear per target module")
     parser.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, help=f"search seconds per subgraph (default {DEFAULT_TIME_BUDGET_S:g})")
+    parser.add_argument("--patience", type=float, default=DEFAULT_PATIENCE_S,
+                        help=f"stop a subgraph's search this many seconds after its best verified candidate last improved "
+                             f"(default {DEFAULT_PATIENCE_S:g}; 0: always search the whole --time-budget)")
     parser.add_argument("--no-seed", action="store_true",
                         help="search every bucket from scratch instead of first re-verifying the structures found at its family's first bucket")
     parser.add_argument("--only", default=None, help="comma-separated roles or spec names to build (e.g. attention_decode,attn_norm_qkv); default all")
@@ -660,8 +666,8 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, AdapterError, ValueError) as e:
         print(f"mirage-serve build-cache: {e}", file=sys.stderr)
         return 2
-    if args.jobs < 1 or args.time_budget <= 0:
-        print("mirage-serve build-cache: --jobs must be >= 1 and --time-budget > 0", file=sys.stderr)
+    if args.jobs < 1 or args.time_budget <= 0 or args.patience < 0:
+        print("mirage-serve build-cache: --jobs must be >= 1, --time-budget > 0 and --patience >= 0", file=sys.stderr)
         return 2
     subgraphs = plan.subgraphs
     if args.only:
@@ -715,7 +721,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
     else:
         # on a GPU several verified seeds are worth profiling; on CPU the cost model's best is the one kept anyway
-        opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild,
+        opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild, patience_s=args.patience or None,
                             seeded_verified=3 if arch != "unprofiled" else 1)
         seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family

@@ -87,6 +87,23 @@ def test_argument_errors(capsys):
     assert "comma-separated" in capsys.readouterr().err
 
 
+def test_patience_reaches_the_search_and_zero_turns_it_off(capsys, tmp_path, monkeypatch):
+    from mirage_serve.search.driver import SearchResult, SearchStats
+
+    configs = []
+
+    def empty_search(spec, config):
+        configs.append(config)
+        return SearchResult([], SearchStats(complete=True))
+
+    monkeypatch.setattr("mirage_serve.search.superoptimize", empty_search)
+    for argv, want in (((), cmd_build_cache.DEFAULT_PATIENCE_S), (("--patience", "5"), 5.0), (("--patience", "0"), None)):
+        rc, _ = run_json(capsys, "--batch-sizes", "1", "--only", "attn_norm_qkv", "--rebuild", *argv, "--cache-dir", str(tmp_path))
+        assert rc == 0 and configs[-1].patience_s == want
+    assert main(["build-cache", "--dry-run", "--patience", "-1"]) == 2
+    assert "--patience >= 0" in capsys.readouterr().err
+
+
 def test_a_missing_step_fails_clearly_and_writes_nothing(capsys, tmp_path, monkeypatch):
     """A pipeline piece absent from the build must fail its step with a message naming it, never fake an entry."""
     real_import = cmd_build_cache.importlib.import_module

@@ -79,6 +79,25 @@ def test_time_budget_cuts_the_search_and_says_so():
     assert all(c.certificate.verdict == "equivalent" for c in res.candidates)
 
 
+def test_patience_stops_a_search_that_no_longer_improves():
+    cfg = SMALL.replace(max_block_ops=6, max_kernel_ops=3, time_budget_s=300, jobs=1, patience_s=0.5)
+    res = superoptimize(_matmul_spec(), cfg, engine_factory=numeric_engine)
+    s = res.stats
+    assert s.stopped_early and not s.complete
+    assert res.candidates and all(c.certificate.verdict == "equivalent" for c in res.candidates)
+    assert s.time_to_best_s + max(0.5, s.time_to_best_s) <= s.elapsed_s < 60
+
+
+def test_patience_waits_for_a_numerically_safe_candidate(monkeypatch):
+    import mirage_serve.search.driver as driver
+
+    monkeypatch.setattr(driver, "numerically_safe", lambda graph, spec: False)
+    cfg = SMALL.replace(max_block_ops=6, max_kernel_ops=3, time_budget_s=3.0, jobs=1, patience_s=0.2)
+    res = superoptimize(_matmul_spec(), cfg, engine_factory=numeric_engine)
+    assert res.candidates and not res.stats.stopped_early  # ran on to its budget looking for a safe one
+    assert res.stats.elapsed_s >= 3.0
+
+
 def test_state_cap_bounds_memory():
     cfg = SMALL.replace(max_kernel_ops=2, max_states=5, max_block_ops=1, time_budget_s=60)
     res = superoptimize(_matmul_spec(), cfg, engine_factory=numeric_engine)
@@ -94,3 +113,5 @@ def test_bad_spec_and_bad_config_raise_clear_errors():
         SMALL.replace(max_blocks=3)
     with pytest.raises(MuGraphError, match="time_budget_s"):
         SearchConfig(time_budget_s=-1)
+    with pytest.raises(MuGraphError, match="patience_s"):
+        SearchConfig(patience_s=0)

@@ -60,6 +60,10 @@ class SearchConfig:
     float_check: bool = True
     # resources
     time_budget_s: float | None = 600.0
+    # once the best verified candidate keeps the spec's max guards (numerically safe), stop when no better
+    # one came for max(patience_s, the time the best took to find): a search that found its best late is
+    # given as long again (None: run until the budget or the space is exhausted)
+    patience_s: float | None = None
     jobs: int = 2
     max_states: int = 20000  # kernel-graph prefixes kept per level (memory bound)
     first_block_nodes: int = 2000  # block-graph prefixes per map choice in the first round of a level
@@ -84,6 +88,8 @@ class SearchConfig:
                 raise MuGraphError(f"SearchConfig.{name}={v!r} must be a non-empty tuple of positive integers")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise MuGraphError(f"SearchConfig.time_budget_s={self.time_budget_s!r} must be positive (or None for no limit)")
+        if self.patience_s is not None and not self.patience_s > 0:
+            raise MuGraphError(f"SearchConfig.patience_s={self.patience_s!r} must be positive (or None to search until the budget)")
 
     def replace(self, **changes) -> SearchConfig:
         """A copy with some fields changed (validated again)."""

@@ -86,6 +86,7 @@ class SearchStats:
     time_to_best_s: float | None = None
     elapsed_s: float = 0.0
     complete: bool = True  # False when a time, node or state limit cut the search short
+    stopped_early: bool = False  # stopped by SearchConfig.patience_s: no better candidate for that long
     levels: int = 0  # rounds of iterative deepening run (graphs of up to this many operators)
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +273,15 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     best_hash: str | None = None
 
     def over() -> bool:
-        return deadline is not None and time.monotonic() > deadline
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            return True
+        best_at = stats.time_to_best_s
+        if cfg.patience_s is not None and best_at is not None and now - start - best_at > max(cfg.patience_s, best_at) \
+                and any(c.numerically_safe for c in found.values()):  # rank_key puts safe candidates first
+            stats.stopped_early = True
+            return True
+        return False
 
     try:
         from tqdm import tqdm
@@ -315,9 +324,14 @@ def superoptimize(spec: KernelGraph, config: SearchConfig | None = None, *, engi
     stats.block_nodes, stats.structures = counters.block_nodes, counters.structures
     stats.complete = not counters.truncated and not terminated
     stats.elapsed_s = time.monotonic() - start
-    log.info("search done: %d verified candidates in %.1fs (%d enumerated, %d pruned by abstract expressions, %d by other rules)",
-             len(cands), stats.elapsed_s, stats.enumerated, stats.pruned_abstract, stats.pruned_other)
+    log.info("search done: %d verified candidates in %.1fs (first at %s, best at %s; %d enumerated, %d pruned by abstract "
+             "expressions, %d by other rules)", len(cands), stats.elapsed_s, _secs(stats.time_to_first_s),
+             _secs(stats.time_to_best_s), stats.enumerated, stats.pruned_abstract, stats.pruned_other)
     return SearchResult(cands, stats)
+
+
+def _secs(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}s"
 
 
 SPLIT_HEAD_SHARE = 0.2  # of the time left: the head's search (when it is more than one pre-defined operator)
