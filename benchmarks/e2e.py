@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-budget", type=float, default=0.0, help="seconds of build-cache search per missing entry before seeding (0: seed at once)")
     parser.add_argument("--init", default="gpt2", choices=("gpt2", "normal", "successor"), help="random weights: see _random_model")
     parser.add_argument("--successor-scale", type=float, default=3.0, help="embedding scale of --init successor")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights, activations and kernels (float32: the tuned bf16 parameters are not used; kernels run at "
+                             "their exact-fp32 defaults)")
     parser.add_argument("--fp32-reference", action="store_true", help="also score every bf16 path against a float32 copy of the model")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--out", default=None, help="directory for JSON/markdown/plot (default benchmarks/results or $OUT)")
@@ -93,8 +96,9 @@ def _bandwidth_gbs(torch) -> float:
     return 2 * x.numel() * 4 * n / (time.perf_counter() - t) / 1e9
 
 
-def _random_model(config: dict, layers: int | None, torch, init: str = "gpt2", successor_scale: float = 3.0):
-    """The config's model on the GPU with random bf16 weights.
+def _random_model(config: dict, layers: int | None, torch, init: str = "gpt2", successor_scale: float = 3.0,
+                  dtype: str = "bfloat16"):
+    """The config's model on the GPU with random weights of ``dtype`` (bf16 by default).
 
     ``normal``: every matrix N(0, 0.02), every norm weight U(0.8, 1.2).
     ``gpt2``: the same, with the projections that write the residual stream
@@ -122,7 +126,7 @@ def _random_model(config: dict, layers: int | None, torch, init: str = "gpt2", s
     if layers:
         cfg.num_hidden_layers = layers
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     resid = (2 * cfg.num_hidden_layers) ** -0.5 if init in ("gpt2", "successor") else 1.0
@@ -384,9 +388,10 @@ def run(args: argparse.Namespace) -> int:
     patched = [c for c in contenders if c.startswith("patched")]
     cache_rows = []
     if patched:
-        cache_rows = prepare_cache(cache_dir, config, batches, kv_len, tuned_from=args.tuned_from, search_budget=args.search_budget)
+        cache_rows = prepare_cache(cache_dir, config, batches, kv_len, tuned_from=args.tuned_from if args.dtype == "bfloat16" else None,
+                                   search_budget=args.search_budget, dtype=args.dtype)
     cache_s = time.perf_counter() - t_start
-    model = _random_model(config, args.layers, torch, args.init, args.successor_scale)
+    model = _random_model(config, args.layers, torch, args.init, args.successor_scale, args.dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     tokens: dict[tuple[int, str], object] = {}
@@ -402,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     accuracy: dict[str, dict] = {}  # against the float32 model, on the reference sequence
     logits32: dict[int, object] = {}
     fp32 = None
-    if args.fp32_reference and patched:
+    if args.fp32_reference and patched and args.dtype != "float32":
         import copy
 
         fp32 = copy.deepcopy(model).float()
@@ -494,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
         "codegen_version": __import__("mirage_serve.codegen", fromlist=["CODEGEN_VERSION"]).CODEGEN_VERSION,
         "model": args.model_id, "layers": model.config.num_hidden_layers, "prompt": args.prompt, "new_tokens": args.new,
-        "init": args.init, "successor_scale": args.successor_scale if args.init == "successor" else None, "kv_len_bucket": kv_len,
+        "dtype": args.dtype, "init": args.init, "successor_scale": args.successor_scale if args.init == "successor" else None, "kv_len_bucket": kv_len,
         "copy_bandwidth_gbs": bw, "weight_bytes": weight_bytes,
         "cache_entries": cache_rows, "cache_build_s": round(cache_s, 1),
         "kernels": _kernel_table(report, specs_by_entry) if report else [],
@@ -513,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# End-to-end decode, {result['gpu']}, {args.model_id} shape, prompt {args.prompt}, {args.new} new tokens", "",
              f"torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}, codegen "
-             f"{result['codegen_version']}, {result['date']}; init {args.init}; copy bandwidth {bw:.0f} GB/s", "",
+             f"{result['codegen_version']}, {result['date']}; {args.dtype} weights, init {args.init}; copy bandwidth {bw:.0f} GB/s", "",
              "| batch | contender | ms/token | × floor | tokens = hf_sdpa | free-running = unpatched | teacher-forced = unpatched |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
