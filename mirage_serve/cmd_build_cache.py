@@ -319,16 +319,55 @@ class Found:
     origin: str  # "search" or "seeded"
 
 
-def reinstantiate(graph: Any, spec: Any, config: Any) -> list[Any]:
+def spec_scalar_map(graph: Any, spec: Any, spec_name: str, options: dict[str, Any] | None = None) -> dict[float, float]:
+    """The constants ``spec_name`` derives from its dims (decode attention's 1/sqrt(head_dim)) as
+    ``graph``'s spec has them -> as ``spec`` has them, where they differ. ``graph``'s spec is rebuilt
+    from its own input shapes; empty when that fails or nothing differs."""
+    from mirage_serve.specs import build_spec, infer_dims
+
+    try:
+        shape_of = {op.attr("name"): tuple(op.attr("shape")) for op in graph.input_ops}
+        shapes = [shape_of[op.attr("name")] for op in spec.input_ops]
+        own = build_spec(spec_name, infer_dims(spec_name, shapes), spec.input_ops[0].attr("dtype"), **(options or {}))
+    except Exception:  # not a spec this helper can rebuild: no constants are changed
+        return {}
+    old = [op.attr("scalar") for op in own.ops if op.attr("scalar") is not None]
+    new = [op.attr("scalar") for op in spec.ops if op.attr("scalar") is not None]
+    if len(old) != len(new):
+        return {}
+    return {o: n for o, n in zip(old, new, strict=True) if o != n}
+
+
+def with_scalars(graph: Any, mapping: dict[float, float]) -> Any:
+    """``graph`` with every operator constant (kernel and block level) found in ``mapping`` replaced."""
+    from dataclasses import replace as dc_replace
+
+    from mirage_serve.mugraph.graph import KernelGraph, Op
+
+    def fix(op: Any) -> Any:
+        block = op.block
+        if block is not None:
+            block = dc_replace(block, ops=tuple(fix(b) for b in block.ops))
+        attrs = tuple((k, mapping.get(v, v) if k == "scalar" else v) for k, v in op.attrs)
+        return op if block is op.block and attrs == op.attrs else Op(op.kind, op.inputs, attrs, block)
+
+    return KernelGraph(tuple(fix(op) for op in graph.ops), graph.outputs) if mapping else graph
+
+
+def reinstantiate(graph: Any, spec: Any, config: Any, spec_name: str | None = None, options: dict[str, Any] | None = None) -> list[Any]:
     """``graph``'s structure at ``spec``'s shapes: its input operators replaced by the spec's and its
     grids and loop ranges chosen afresh (``mirage_serve.search.enumerate.instantiations``), cheapest
-    first. Empty when the structure does not fit the new shapes. The results are unverified."""
+    first. With ``spec_name``, constants the spec derives from its dims (attention's scale) are
+    carried over to the new dims too (a structure found at head dim 128 seeds head dim 96). Empty
+    when the structure does not fit the new shapes. The results are unverified."""
     from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
 
     (instantiations,) = _require("search", "mirage_serve.search.enumerate", "instantiations")
     new_inputs = {op.attr("name"): op for op in spec.input_ops}
     if sorted(new_inputs) != sorted(op.attr("name") for op in graph.input_ops):
         return []
+    if spec_name is not None:
+        graph = with_scalars(graph, spec_scalar_map(graph, spec, spec_name, options))
     ops = tuple(new_inputs[op.attr("name")] if op.kind == "input" else op for op in graph.ops)
     try:
         found = instantiations(KernelGraph(ops, graph.outputs), config)
@@ -388,7 +427,8 @@ def cache_seeds(cache: Any, kind: tuple) -> list[Any]:
     return distinct_structures([e.graph for e in entries if spec_kind(e.key.spec, e.key.dtype, e.key.options_dict) == kind])
 
 
-def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str) -> tuple[list[Found], dict[str, Any]]:
+def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str, spec_name: str | None = None,
+                      options: dict[str, Any] | None = None) -> tuple[list[Found], dict[str, Any]]:
     """Verified μGraphs for ``spec`` from the structures verified at another bucket.
 
     The re-instantiated graphs are ranked first (cheap: the cost model, or the GPU), then verified
@@ -401,7 +441,7 @@ def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptio
     (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")
     graphs: dict[str, Any] = {}
     for seed_graph in seeds:
-        for g in reinstantiate(seed_graph, spec, config):
+        for g in reinstantiate(seed_graph, spec, config, spec_name, options):
             graphs.setdefault(content_hash(g), g)
     stats = {"seeds": len(seeds), "instantiated": len(graphs), "verified": 0, "rejected": 0}
     if not graphs:
@@ -532,7 +572,8 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
         details: dict[str, Any] = {}
         (numerically_safe,) = _require("search", "mirage_serve.search.rewrite", "numerically_safe")
         if seeds:
-            found, details["seeded"] = seeded_candidates(seeds, spec, config, opts, "cuda" if arch != "unprofiled" else "cpu")
+            found, details["seeded"] = seeded_candidates(seeds, spec, config, opts, "cuda" if arch != "unprofiled" else "cpu",
+                                                         sg.spec_name, dict(sg.options))
             if found and not any(numerically_safe(f.graph, spec) for f in found):
                 log.info("%s: only seeds without the spec's max guard on exp verified; searching", item.describe())
                 found = []

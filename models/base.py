@@ -24,6 +24,9 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 # Decode attention kernels are shape-specialised in kv_len; these buckets are capped at the
 # model's usable context (max_position_embeddings, or its sliding window when one is active).
 DEFAULT_KV_LEN_BUCKETS: tuple[int, ...] = (1024, 4096, 16384)
+# The cap is rounded up to a multiple of this (a kernel of a bucket serves every shorter kv_len): a
+# window such as Phi-3's 2047 gets the bucket 2048, whose KV extent the search can split into tiles.
+KV_LEN_CAP_ALIGN = 64
 DEFAULT_DTYPE = "bfloat16"
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -221,10 +224,12 @@ def normalize_dtype(value: Any) -> str:
 
 
 def kv_len_buckets(arch: ArchDims, buckets: Iterable[int] = DEFAULT_KV_LEN_BUCKETS) -> list[int]:
-    """kv_len buckets for decode attention: each default bucket capped at the usable context length."""
+    """kv_len buckets for decode attention: each default bucket capped at the usable context length,
+    rounded up to a multiple of :data:`KV_LEN_CAP_ALIGN`."""
     cap = arch.max_positions
     if arch.sliding_window:
         cap = min(cap, arch.sliding_window)
+    cap = -(-cap // KV_LEN_CAP_ALIGN) * KV_LEN_CAP_ALIGN
     return sorted({min(int(b), cap) for b in buckets})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -165,6 +166,31 @@ def test_reinstantiate_carries_a_structure_to_other_buckets(case):
     # a structure for another spec's inputs does not carry over
     other = build_spec("gated_mlp", {"batch": 2, "hidden": 256, "intermediate": 128}, "float32")
     assert cmd_build_cache.reinstantiate(fused_rmsnorm_linear(1, 256, 128, 4, 2), other, SearchConfig()) == []
+
+
+def test_a_seed_from_another_head_dim_takes_the_new_attention_scale():
+    """Decode attention's 1/sqrt(head_dim) is a constant of the μGraph: a structure found at head dim 32
+    seeds head dim 48 (group 1) only with that constant carried over, and then computes the new spec."""
+    import torch
+    from handwritten import split_kv_attention
+
+    from mirage_serve.reference import execute, random_inputs
+    from mirage_serve.search.config import SearchConfig
+    from mirage_serve.specs import build_spec
+
+    seed = split_kv_attention(1, 4, 2, 32, 128, splits=2, loop=2)
+    spec = build_spec("attention_decode", {"batch": 2, "q_heads": 4, "kv_heads": 4, "head_dim": 48, "kv_len": 256}, "float32")
+    assert cmd_build_cache.spec_scalar_map(seed, spec, "attention_decode") == {1 / math.sqrt(32): 1 / math.sqrt(48)}
+    x = random_inputs(spec, torch.Generator().manual_seed(0), dtype=torch.float64)
+    (want,) = execute(spec, x)
+    carried = cmd_build_cache.reinstantiate(seed, spec, SearchConfig(), "attention_decode", {})
+    assert carried and all(torch.allclose(execute(g, x)[0], want) for g in carried)
+    stale = cmd_build_cache.reinstantiate(seed, spec, SearchConfig())  # without the spec's name: the old scale stays
+    assert stale and not any(torch.allclose(execute(g, x)[0], want) for g in stale)
+    # specs without dim-derived constants, and graphs whose spec cannot be rebuilt, map nothing
+    rms = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 64, "out": 32}, "float32")
+    assert cmd_build_cache.spec_scalar_map(rms, rms, "rmsnorm_linear") == {}
+    assert cmd_build_cache.spec_scalar_map(seed, spec, "no_such_spec") == {}
 
 
 def test_family_ignores_only_the_bucketed_dims():

@@ -104,6 +104,9 @@ def test_kv_len_buckets_are_capped_by_context_and_sliding_window():
     assert big.kv_len_buckets == [1024, 4096, 16384]
     mid = get_adapter("llama").plan({**transformers.LlamaConfig(**TINY).to_dict(), "max_position_embeddings": 8192}, [1])
     assert mid.kv_len_buckets == [1024, 4096, 8192]
+    # a window that no tile divides (Phi-3-mini's 2047) gets the next multiple of 64: its kernel serves 2047 too
+    odd = get_adapter("llama").plan({**transformers.LlamaConfig(**TINY).to_dict(), "max_position_embeddings": 2047}, [1])
+    assert odd.kv_len_buckets == [1024, 2048]
 
 
 def test_qwen3_qk_norms_are_recorded_as_unfused():
