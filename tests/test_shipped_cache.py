@@ -22,7 +22,6 @@ from mirage_serve.models.base import DEFAULT_KV_LEN_BUCKETS  # noqa: E402
 BUILD_MACHINE_BYTES = 21 * 2**30
 # specs of a bundled model that ship without entries, and why (benchmarks/results/2026-12-05-cpu-shipped-cache/)
 NOT_SHIPPED = {
-    ("microsoft/Phi-3-mini-4k-instruct", "attention_decode"): "no fused decode attention found at head dim 96 within the search budget",
     ("Qwen/Qwen2.5-7B-Instruct", "attention_decode(batch=16,q_heads=28,kv_heads=4,head_dim=128,kv_len=16384)"):
         "only kernels without the softmax's max guard verified there, and those are never cached",
 }
