@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     kv_len = args.prompt + args.new  # the static decoder's cache; transformers' cache stays below it
     if args.dry_run or not torch.cuda.is_available():
         print(f"e2e plan: {args.model_id} ({source}), layers {args.layers or config.get('num_hidden_layers')}, batches {batches}, "
-              f"prompt {args.prompt}, new {args.new}, kv_len bucket {kv_len}, contenders {contenders}")
+              f"prompt {args.prompt}, new {args.new}, kv_len bucket {kv_len}, {args.dtype} weights, contenders {contenders}")
         return 0 if args.dry_run else 2
     import tempfile
 

@@ -124,6 +124,16 @@ def test_bench_command_has_room_for_more_benchmarks():
     assert set(cmd_bench.BENCHES) >= {"kernels", "e2e"}
 
 
+def test_e2e_dry_run_names_the_dtype(capsys):
+    p = argparse.ArgumentParser()
+    cmd_bench.add_arguments(p)
+    assert cmd_bench.run(p.parse_args(["e2e", "--dry-run", "--dtype", "float32", "--layers", "2"])) == 0
+    out = capsys.readouterr().out
+    assert "float32 weights" in out and "layers 2" in out
+    with pytest.raises(SystemExit):
+        p.parse_args(["e2e", "--dtype", "int8"])
+
+
 def test_rank_correlation_and_variant_tables():
     assert K.rank_correlation([(1, 10), (2, 20), (3, 30)]) == 1.0
     assert K.rank_correlation([(1, 30), (2, 20), (3, 10)]) == -1.0
