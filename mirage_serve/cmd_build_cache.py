@@ -329,7 +329,7 @@ def spec_scalar_map(graph: Any, spec: Any, spec_name: str, options: dict[str, An
         shape_of = {op.attr("name"): tuple(op.attr("shape")) for op in graph.input_ops}
         shapes = [shape_of[op.attr("name")] for op in spec.input_ops]
         own = build_spec(spec_name, infer_dims(spec_name, shapes), spec.input_ops[0].attr("dtype"), **(options or {}))
-    except Exception:  # not a spec this helper can rebuild: no constants are changed
+    except ValueError:  # MuGraphError: not a spec this helper can rebuild from these shapes; no constants are changed
         return {}
     old = [op.attr("scalar") for op in own.ops if op.attr("scalar") is not None]
     new = [op.attr("scalar") for op in spec.ops if op.attr("scalar") is not None]
