@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mirage_serve.memory import retained_heap, trim
 from mirage_serve.model_ids import DEFAULT_MODEL_ID, ModelNotFoundError, bundled_model_ids, resolve_config
 
 log = logging.getLogger(__name__)
@@ -474,6 +475,7 @@ def searched_candidates(spec: Any, config: Any, opts: BuildOptions) -> tuple[lis
     # that cannot import them fails in its pool initializer, so check here rather than hang in the pool
     for module in SEARCH_ENGINE_MODULES:
         _require("search", module)
+    trim()  # the forked workers start without the memory earlier buckets left free for reuse
     result = superoptimize(spec, config)
     stats = _plain(getattr(result, "stats", None)) or {}
     candidates = list(result.candidates)[: opts.max_candidates]
@@ -539,8 +541,14 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
 
     ``seeds``: μGraphs verified for other buckets of the same family (then other families of the
     same spec); when given and one of them re-verifies at this bucket's shapes, the full search is
-    skipped.
+    skipped. Memory freed while the item is built is kept for reuse until it is done (see
+    :mod:`mirage_serve.memory`).
     """
+    with retained_heap():
+        return _build_item(item, cache, arch, opts, seeds)
+
+
+def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None) -> ItemResult:
     t0 = time.perf_counter()
     sg = item.subgraph
     try:
@@ -556,6 +564,9 @@ def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds:
                                       seconds=time.perf_counter() - t0)
         spec = sg.build_spec()
         need, have = verify_memory_bytes(spec), available_memory_bytes()
+        if have is not None and need > have:  # memory an earlier bucket freed may still be held for reuse
+            trim()
+            have = available_memory_bytes()
         if have is not None and need > have:
             # nothing unverified is cached: the model's own code runs for this bucket (not recorded as
             # "no fused form", so a build on a larger machine searches and verifies it)

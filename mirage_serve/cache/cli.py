@@ -14,6 +14,7 @@ from typing import Any
 
 from mirage_serve.cache.entry import CacheError
 from mirage_serve.cache.store import KernelCache, ScanItem, VerifyResult
+from mirage_serve.memory import retained_heap
 
 _PREFERRED_TIMINGS = ("time_us", "latency_us", "median_us", "mean_us", "us", "latency_ms", "ms")
 
@@ -148,7 +149,8 @@ def _verify(cache: KernelCache, args: argparse.Namespace) -> int:
             results.append({"id": _entry_id(item), "path": str(item.path), "status": "rejected" if item.state == "corrupt" else item.state, "reason": item.reason + (f" (moved to {moved})" if moved else "")})
             bad += item.state == "corrupt"
             continue
-        r: VerifyResult = cache.verify(item.entry.key, reverify, trials=args.trials, seed=args.seed, float_check=args.float_check)
+        with retained_heap():  # one entry's large temporaries are reused within it and given back after it
+            r: VerifyResult = cache.verify(item.entry.key, reverify, trials=args.trials, seed=args.seed, float_check=args.float_check)
         results.append({"id": _entry_id(item), "path": str(r.path), "status": r.status, "reason": r.reason})
         bad += r.status in ("rejected", "not_equivalent")
     if args.json:

@@ -77,15 +77,17 @@ def _gen(seed: int) -> torch.Generator:
 
 def _mulmod(a: torch.Tensor, b: torch.Tensor, m: int) -> torch.Tensor:
     # a, b < 2^20: the product is an exact float64 integer below 2^40
-    return torch.remainder(a * b, m)
+    return _reduce_big(a * b, m)
 
 
 def _reduce_big(t: torch.Tensor, m: int) -> torch.Tensor:
-    """Reduce exact float64 integers below 2^53 (sums of residues) mod m.
+    """Reduce exact float64 integers below 2^53 (sums of residues) mod m, in place: callers pass
+    a tensor they just computed, so no second tensor of its size is allocated (for K/V-sized
+    values, fresh memory costs more than the arithmetic).
 
     torch's float remainder is computed with fmod, which IEEE 754 makes exact;
     tests/test_verify_field.py pins this for values up to 2^53."""
-    return torch.remainder(t, m)
+    return t.remainder_(m)
 
 
 def powmod(base: torch.Tensor, e: int, m: int) -> torch.Tensor:
@@ -110,8 +112,8 @@ def matmul_mod(a: torch.Tensor, b: torch.Tensor, m: int) -> torch.Tensor:
     acc = None
     for s in range(0, k, MATMUL_CHUNK):
         part = _reduce_big(torch.matmul(a[..., s : s + MATMUL_CHUNK], b[..., s : s + MATMUL_CHUNK, :]), m)
-        acc = part if acc is None else acc + part
-    return torch.remainder(acc, m)
+        acc = part if acc is None else acc.add_(part)
+    return _reduce_big(acc, m)
 
 
 @dataclass
@@ -300,11 +302,11 @@ class FieldAlgebra:
         P, Q = self.ctx.p, self.ctx.q
         qs, why = self._q_of(a, b)
         if fn == "add":
-            p = torch.remainder(a.p + b.p, P)
-            q = torch.remainder(qs[0] + qs[1], Q) if qs else None
+            p = _reduce_big(a.p + b.p, P)
+            q = _reduce_big(qs[0] + qs[1], Q) if qs else None
         elif fn == "sub":
-            p = torch.remainder(a.p - b.p, P)
-            q = torch.remainder(qs[0] - qs[1], Q) if qs else None
+            p = _reduce_big(a.p - b.p, P)
+            q = _reduce_big(qs[0] - qs[1], Q) if qs else None
         elif fn == "mul":
             p = _mulmod(a.p, b.p, P)
             q = _mulmod(qs[0], qs[1], Q) if qs else None
@@ -332,7 +334,7 @@ class FieldAlgebra:
             return self.binary("mul", x, x)
         if fn == "neg":
             qs, why = self._q_of(x)
-            return FieldValue(torch.remainder(-x.p, self.ctx.p), torch.remainder(-qs[0], self.ctx.q) if qs else None, why)
+            return FieldValue(_reduce_big(-x.p, self.ctx.p), _reduce_big(-qs[0], self.ctx.q) if qs else None, why)
         if fn == "mul_scalar":
             return self.binary("mul", x, self._const(scalar))
         if fn == "add_scalar":
