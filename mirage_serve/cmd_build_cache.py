@@ -34,6 +34,7 @@ naming the missing piece; nothing is written for it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mirage_serve.memory import retained_heap, trim
+from mirage_serve.memory import available_memory_bytes, retained_heap, trim
 from mirage_serve.model_ids import DEFAULT_MODEL_ID, ModelNotFoundError, bundled_model_ids, resolve_config
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64"
 DEFAULT_TIME_BUDGET_S = 240.0
 DEFAULT_PATIENCE_S = 60.0  # a search stops this long after its last improvement (once its best is guarded)
 BUCKETED_DIMS = ("batch", "kv_len")
-VERIFY_MEMORY_FACTOR = 4
 SEARCH_ENGINE_MODULES = ("mirage_serve.search.abstract", "mirage_serve.search.prune")
 MAX_SEEDS = 16  # distinct verified structures of one bucket tried at the other buckets of the same family
 
@@ -218,6 +218,7 @@ class BuildOptions:
     seed: int = 0
     max_candidates: int = 8  # best candidates (by the search's own cost) carried into ranking
     seeded_verified: int = 1  # verified re-instantiations wanted per seeded bucket (the cost-model best first)
+    max_rows: int | None = None  # verify on at most this many rows (row-separable pairs; see mirage_serve.verify.rows)
 
 
 def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
@@ -273,24 +274,12 @@ def cached_result(item: WorkItem, entry: Any, key: Any, seconds: float) -> ItemR
                       graphs=[entry.graph])
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def verify_memory_bytes(spec: Any, rows: int | None = None) -> int:
+    """Rough peak memory of verifying against ``spec`` on CPU (on ``rows`` of its rows when given);
+    see :func:`mirage_serve.verify.rows.verify_memory_bytes`."""
+    from mirage_serve.verify.rows import verify_memory_bytes as estimate
 
-
-def verify_memory_bytes(spec: Any) -> int:
-    """Rough peak memory of verifying against ``spec`` on CPU: the verifier evaluates both graphs in
-    float64 and over Z_p in int64, and peaked at ~4x the inputs' float64 size when measured
-    (attention_decode b=16, kv_len=16384: 17.6 GB RSS for 4.3 GB of K and V)."""
-    elements = sum(math.prod(spec.info[t].shape) for t in spec.input_ids)
-    return VERIFY_MEMORY_FACTOR * 8 * elements
+    return estimate(spec, rows)
 
 
 def family_of(subgraph: Any) -> tuple:
@@ -454,7 +443,7 @@ def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptio
     out: list[Found] = []
     for g in order:
         try:
-            cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed)
+            cert = verify_equivalent(g, spec, trials=opts.trials, seed=opts.seed, max_rows=opts.max_rows)
         except (MemoryError, RuntimeError) as e:  # e.g. a structure whose tiles at these shapes do not fit in memory
             log.warning("verification of a seeded candidate failed (%s: %s); not kept", type(e).__name__, str(e)[:200])
             cert = None
@@ -568,12 +557,24 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
             trim()
             have = available_memory_bytes()
         if have is not None and need > have:
-            # nothing unverified is cached: the model's own code runs for this bucket (not recorded as
-            # "no fused form", so a build on a larger machine searches and verifies it)
-            return ItemResult(item, "original", seconds=time.perf_counter() - t0,
-                              message=f"not verified here: verifying at these shapes needs about {need / 2**30:.0f} GiB of "
-                                      f"memory and {have / 2**30:.0f} GiB is available; the original code runs for this "
-                                      "bucket; build it on a larger machine or leave it out (--batch-sizes / --kv-lens)")
+            # too large to evaluate here: a row-separable spec (decode attention) is verified on fewer rows
+            # (mirage_serve.verify.rows), using at most half the memory available, with structures verified
+            # for other buckets; nothing unverified is cached
+            from mirage_serve.verify.rows import row_split, rows_within_memory
+
+            split = row_split(spec)
+            max_rows = (rows_within_memory(spec, have) or 0) if split is not None else 0
+            if split is None or max_rows < split.group or not seeds:
+                why = ("its inputs are not row-separable" if split is None else
+                       "no other bucket of it was verified first" if not seeds else "one row group alone does not fit")
+                # not recorded as "no fused form", so a build on a larger machine searches and verifies it
+                return ItemResult(item, "original", seconds=time.perf_counter() - t0,
+                                  message=f"not verified here: verifying at these shapes needs about {need / 2**30:.0f} GiB of "
+                                          f"memory and {have / 2**30:.0f} GiB is available, and {why}; the original code runs "
+                                          "for this bucket; build it on a larger machine or leave it out (--batch-sizes / --kv-lens)")
+            opts = dataclasses.replace(opts, max_rows=max_rows)
+            log.info("%s: verifying on at most %d of %d rows (row-separable; %.0f GiB needed at full size, %.0f GiB available)",
+                     item.describe(), max_rows, split.rows, need / 2**30, have / 2**30)
         (search_config,) = _require("search", "mirage_serve.search", "SearchConfig")
         config = search_config(time_budget_s=opts.time_budget_s, patience_s=opts.patience_s, jobs=opts.jobs, trials=opts.trials,
                                seed=opts.seed, progress=False)
@@ -588,6 +589,11 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
             if found and not any(numerically_safe(f.graph, spec) for f in found):
                 log.info("%s: only seeds without the spec's max guard on exp verified; searching", item.describe())
                 found = []
+        if not found and opts.max_rows is not None:
+            return ItemResult(item, "original", seconds=time.perf_counter() - t0,
+                              message=f"not verified here: no structure verified for another bucket re-verified on "
+                                      f"{opts.max_rows} rows, and a search at full size does not fit in memory; the original "
+                                      "code runs for this bucket; build it on a larger machine")
         if not found:
             found, details["search"] = searched_candidates(spec, config, opts)
 

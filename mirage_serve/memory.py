@@ -68,6 +68,18 @@ def _set(mmap_max: int, trim_threshold: int) -> bool:
     return ok
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def trim() -> None:
     """Return the heap's free memory to the system (glibc ``malloc_trim``); a no-op elsewhere."""
     libc = _glibc()

@@ -393,3 +393,44 @@ def test_candidates_without_the_max_guard_are_never_cached(capsys, tmp_path, mon
     (r,) = report["results"]
     assert rc == 0 and r["status"] == "original" and "max guard" in r["message"], r["message"]
     assert not list((tmp_path / "c").rglob("entries/*.json"))
+
+
+def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(capsys, tmp_path, monkeypatch):
+    """Decode attention is row-separable: a bucket whose full-size verification does not fit in memory
+    is verified on a row-reduced instance with a structure verified for another bucket; the
+    certificate says so, and `cache verify` re-verifies it the same way."""
+    import mirage_serve.memory
+    from mirage_serve.cache import CacheEntry, CacheKey, KernelCache
+    from mirage_serve.specs import build_spec
+    from mirage_serve.verify import verify_equivalent
+    from tests.handwritten import split_kv_attention
+
+    cache_dir = tmp_path / "c"
+    dims = {"batch": 1, "q_heads": 4, "kv_heads": 2, "head_dim": 16, "kv_len": 64}
+    graph = split_kv_attention(1, 4, 2, 16, 64, splits=2, loop=2)
+    cert = verify_equivalent(graph, build_spec("attention_decode", dims, "float32"), trials=2)
+    KernelCache(cache_dir, readonly_dirs=()).put(CacheEntry.create(CacheKey("attention_decode", dims, "float32", "unprofiled"), graph,
+                                                                   certificate=cert, params={}, timings={}))
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    big = build_spec("attention_decode", {**dims, "batch": 4}, "float32")
+    available = cmd_build_cache.verify_memory_bytes(big) - 1  # half of it holds 3 of the 8 rows
+    monkeypatch.setattr(cmd_build_cache, "available_memory_bytes", lambda: available)
+    monkeypatch.setattr(mirage_serve.memory, "available_memory_bytes", lambda: available)
+    rc, report = run_json(capsys, str(model), "--only", "attention_decode", "--batch-sizes", "4", "--kv-lens", "64",
+                          "--cache-dir", str(cache_dir), "--time-budget", "30")
+    (r,) = report["results"]
+    assert rc == 0 and r["status"] == "built" and r["verified"], r
+    assert r["details"]["origin"] == "seeded"
+    cache = KernelCache(cache_dir, readonly_dirs=())
+    (entry,) = [e for e in cache.entries(specs={"attention_decode"}) if e.key.dims_dict["batch"] == 4]
+    assert entry.certificate["rows"] == {"rows": 8, "verified_rows": 2, "group": 1}
+    res = cache.verify(entry.key, trials=2, seed=3)
+    assert res.status == "equivalent" and res.certificate["rows"]["verified_rows"] == 2 and "on 2 of 8 rows" in res.reason
+    # not even one row group fits: the original code runs, nothing is cached for the bucket
+    monkeypatch.setattr(cmd_build_cache, "available_memory_bytes", lambda: 1)
+    rc, report = run_json(capsys, str(model), "--only", "attention_decode", "--batch-sizes", "2", "--kv-lens", "64",
+                          "--cache-dir", str(cache_dir), "--time-budget", "30")
+    (r,) = report["results"]
+    assert r["status"] == "original" and "one row group alone does not fit" in r["message"]

@@ -499,7 +499,9 @@ class KernelCache:
         cert_dict = cert.to_dict() if hasattr(cert, "to_dict") else dict(cert)
         verdict = cert_dict.get("verdict", getattr(cert, "verdict", None))
         if verdict == "equivalent":
-            return VerifyResult(key, path, "equivalent", f"re-verified ({trials} trials, seed {seed})", cert_dict)
+            rows = cert_dict.get("rows")
+            on = f", on {rows['verified_rows']} of {rows['rows']} rows" if isinstance(rows, dict) else ""
+            return VerifyResult(key, path, "equivalent", f"re-verified ({trials} trials, seed {seed}{on})", cert_dict)
         if verdict == "not_equivalent":
             reason = f"re-verification (seed {seed}) found the μGraph NOT equivalent to {key.describe()}; its stored certificate is wrong"
             self._reject(where, path, reason, checksum=entry.checksum)
@@ -508,8 +510,15 @@ class KernelCache:
 
 
 def _default_reverifier() -> Callable[..., Any] | None:
+    """The verifier, evaluating row-separable pairs too large for this machine's memory on fewer
+    rows (see :mod:`mirage_serve.verify.rows`); None when it is not installed."""
     try:
         from mirage_serve.verify import verify_equivalent
+        from mirage_serve.verify.rows import rows_within_memory
     except ImportError:
         return None
-    return verify_equivalent
+
+    def reverify(graph: Any, spec: Any, **kw: Any) -> Any:
+        return verify_equivalent(graph, spec, max_rows=rows_within_memory(spec), **kw)
+
+    return reverify

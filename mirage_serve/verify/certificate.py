@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 VERDICTS = ("equivalent", "not_equivalent", "unknown")
 METHOD_FIELD = "finite-field Z_p x Z_q (exp = omega^x mod p)"
 METHOD_FLOAT = "float check vs float64"
+METHOD_ROWS = "on a row-reduced instance"
+OPTIONAL_FIELDS = frozenset({"rows"})
 
 
 def versions() -> dict[str, str]:
@@ -54,6 +56,9 @@ class Certificate:
     candidate_hash: str = ""
     spec_hash: str = ""
     elapsed_s: float = 0.0
+    # set when the pair was verified on fewer rows than it has (see mirage_serve.verify.rows):
+    # {"rows": N, "verified_rows": n, "group": T}; the hashes above name the full-size graphs
+    rows: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -69,6 +74,10 @@ class Certificate:
         d["primes"], d["omegas"] = list(self.primes), list(self.omegas)
         d["float_checks"] = [r.to_dict() for r in self.float_checks]
         d["versions"] = dict(self.versions)
+        if self.rows is None:
+            del d["rows"]  # certificates of full-size verification keep their original form
+        else:
+            d["rows"] = dict(self.rows)
         return d
 
     @staticmethod
@@ -79,7 +88,7 @@ class Certificate:
             raise ValueError(f"a certificate is a JSON object, got {type(d).__name__}")
         names = [f.name for f in fields(Certificate)]
         unknown = sorted(set(d) - set(names))
-        missing = sorted(set(names) - set(d))
+        missing = sorted(set(names) - set(d) - OPTIONAL_FIELDS)
         if unknown or missing:
             raise ValueError(f"certificate keys do not match: unknown {unknown}, missing {missing}; re-verify to get a current certificate")
         types = {"verdict": str, "reason": str, "method": str, "trials": int, "seed": int, "redraws": int,
@@ -93,12 +102,16 @@ class Certificate:
                 raise ValueError(f"certificate field {k!r} must be a list of integers")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in d["versions"].items()):
             raise ValueError("certificate field 'versions' must map names to version strings")
+        rows = d.get("rows")
+        if rows is not None and not (isinstance(rows, dict) and set(rows) == {"rows", "verified_rows", "group"}
+                                     and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in rows.values())):
+            raise ValueError("certificate field 'rows' must map rows, verified_rows and group to positive integers")
         return Certificate(
             verdict=d["verdict"], reason=d["reason"], method=d["method"], trials=d["trials"], seed=d["seed"],
             primes=list(d["primes"]), omegas=list(d["omegas"]), redraws=d["redraws"],
             float_checks=[_float.FloatReport.from_dict(r) for r in d["float_checks"]],
             versions=dict(d["versions"]), candidate_hash=d["candidate_hash"], spec_hash=d["spec_hash"],
-            elapsed_s=float(d["elapsed_s"]),
+            elapsed_s=float(d["elapsed_s"]), rows=None if rows is None else dict(rows),
         )
 
     def summary(self) -> str:
@@ -111,6 +124,9 @@ class Certificate:
             state = "pass" if r.passed else "FAIL"
             lines.append(f"float {r.dtype}: rel error {r.rel_error:.3g} (tolerance {r.tolerance:g}), max abs {r.max_abs_error:.3g}, "
                          f"input scale {r.scale:g}: {state}")
+        if self.rows is not None:
+            lines.append(f"rows:    verified on {self.rows['verified_rows']} of {self.rows['rows']} rows "
+                         f"(both graphs row-separable, groups of {self.rows['group']})")
         lines.append(f"versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}; {self.elapsed_s:.2f}s")
         return "\n".join(lines)
 
@@ -184,6 +200,7 @@ def verify_equivalent(
     float_check: bool = True,
     float_dtype: str | None = None,
     run_candidate: _float.RunCandidate | None = None,
+    max_rows: int | None = None,
 ) -> Certificate:
     """Decide whether ``candidate`` computes ``spec``; returns the certificate.
 
@@ -193,8 +210,46 @@ def verify_equivalent(
     and so is a float failure where the finite field could not decide ("unknown"
     otherwise stays "unknown").
     ``run_candidate`` runs a compiled kernel in the float check instead of the
-    reference executor. To check many candidates against one spec, build a
-    :class:`Verifier` once and call its ``verify``."""
+    reference executor. ``max_rows`` caps the rows (dim 0 of the inputs) evaluated: a pair
+    with more rows is verified on a row-reduced instance when both graphs are row-separable
+    (:mod:`mirage_serve.verify.rows`; the certificate's ``rows`` says so) and is "unknown"
+    otherwise. To check many candidates against one spec, build a :class:`Verifier` once and
+    call its ``verify``."""
+    rows = _rows_of(spec)
+    if max_rows is not None and rows is not None and rows > max_rows:
+        return _verify_on_fewer_rows(candidate, spec, rows, max_rows, trials=trials, seed=seed, float_check=float_check,
+                                     float_dtype=float_dtype)
     return Verifier(spec, trials=trials, seed=seed).verify(
         candidate, float_check=float_check, float_dtype=float_dtype, run_candidate=run_candidate
     )
+
+
+def _rows_of(spec: KernelGraph) -> int | None:
+    try:
+        shapes = [spec.info[t].shape for t in spec.input_ids]
+    except MuGraphError:
+        return None
+    return shapes[0][0] if shapes and shapes[0] else None
+
+
+def _verify_on_fewer_rows(candidate: KernelGraph, spec: KernelGraph, rows: int, max_rows: int, **kw: Any) -> Certificate:
+    from mirage_serve.verify.rows import common_group, reduced_rows, with_rows
+
+    t0 = time.perf_counter()
+    common = common_group(candidate, spec)
+    n = reduced_rows(rows, common[1], max_rows) if common is not None and common[0] == rows else None
+    if n is None:
+        why = ("the two graphs are not both row-separable" if common is None or common[0] != rows
+               else f"their row groups ({common[1]} rows) exceed it")
+        cert = Certificate("unknown", f"not verified: {rows} rows exceed the {max_rows} that may be evaluated here, and {why}",
+                           METHOD_FIELD, kw["trials"], kw["seed"], spec_hash=content_hash(spec))
+        cert.candidate_hash, cert.elapsed_s = content_hash(candidate), time.perf_counter() - t0
+        return cert
+    cert = Verifier(with_rows(spec, n), trials=kw["trials"], seed=kw["seed"]).verify(
+        with_rows(candidate, n), float_check=kw["float_check"], float_dtype=kw["float_dtype"])
+    cert.method += f" {METHOD_ROWS}"
+    cert.reason += f"; verified on {n} of {rows} rows (both graphs row-separable, groups of {common[1]} rows)"
+    cert.candidate_hash, cert.spec_hash = content_hash(candidate), content_hash(spec)
+    cert.rows = {"rows": rows, "verified_rows": n, "group": common[1]}
+    cert.elapsed_s = time.perf_counter() - t0
+    return cert
