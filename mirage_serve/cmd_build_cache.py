@@ -121,6 +121,7 @@ class ItemResult:
     candidates: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     graphs: list[Any] = field(default_factory=list, repr=False)  # verified μGraphs that may seed other buckets
+    rows: dict[str, int] | None = None  # the certificate's rows: verified on a row-reduced instance
 
     @property
     def speedup_text(self) -> str:
@@ -152,6 +153,7 @@ class ItemResult:
             "message": self.message,
             "entry_id": self.entry_id,
             "candidates": self.candidates,
+            **({"verified_rows": self.rows} if self.rows else {}),
             **({"details": self.details} if self.details else {}),
         }
 
@@ -271,7 +273,13 @@ def cached_result(item: WorkItem, entry: Any, key: Any, seconds: float) -> ItemR
     base, best = timings.get("baseline_us"), timings.get("time_us")
     return ItemResult(item, "cached", verified=entry.verdict == "equivalent", profiled=entry.profiled,
                       speedup=base / best if base and best else None, seconds=seconds, entry_id=entry.key.entry_id,
-                      graphs=[entry.graph])
+                      graphs=[entry.graph], rows=certificate_rows(entry.certificate))
+
+
+def certificate_rows(cert: Any) -> dict[str, int] | None:
+    """A certificate's ``rows`` (set when it was verified on a row-reduced instance), else None."""
+    rows = cert.get("rows") if isinstance(cert, dict) else getattr(cert, "rows", None)
+    return dict(rows) if isinstance(rows, dict) else None
 
 
 def verify_memory_bytes(spec: Any, rows: int | None = None) -> int:
@@ -636,7 +644,8 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         details["origin"] = chosen.origin
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
-                          details=details, graphs=distinct_structures([r.graph for r in ranked]))
+                          details=details, graphs=distinct_structures([r.graph for r in ranked]),
+                          rows=certificate_rows(chosen.certificate))
     except NoFusedForm as e:
         record_no_fusion(cache, key, opts.time_budget_s, str(e))
         return ItemResult(item, "original", message=str(e), seconds=time.perf_counter() - t0)
@@ -692,14 +701,19 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _verified_text(v: bool | None) -> str:
-    return {True: "yes", False: "NO", None: "-"}[v]
+def _verified_text(r: ItemResult) -> str:
+    return {True: "yes*" if r.rows else "yes", False: "NO", None: "-"}[r.verified]
 
 
 def format_results(results: list[ItemResult]) -> str:
     rows = [[r.item.name, r.item.describe(), r.item.bucket, r.status + (f" ({r.step})" if r.step else ""),
-             _verified_text(r.verified), r.speedup_text, "-" if r.status == "planned" else f"{r.seconds:.1f}s"] for r in results]
+             _verified_text(r), r.speedup_text, "-" if r.status == "planned" else f"{r.seconds:.1f}s"] for r in results]
     text = _table(rows, ["subgraph", "kernel", "bucket", "status", "verified", "speed-up", "time"])
+    reduced = [r for r in results if r.rows and r.verified]
+    if reduced:
+        text += ("\n\n* verified on fewer rows than the bucket has (its rows are independent problems, and both graphs "
+                 "compute every row group alike; mirage_serve/verify/rows.py):\n"
+                 + "\n".join(f"  {r.item.describe()}: {r.rows['verified_rows']} of {r.rows['rows']} rows" for r in reduced))
     original = [r for r in results if r.status == "original"]
     if original:
         text += "\n\nno fused form (the original code runs):\n" + "\n".join(f"  {r.item.describe()}: {r.message}" for r in original)

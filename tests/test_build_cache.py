@@ -422,7 +422,12 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
                           "--cache-dir", str(cache_dir), "--time-budget", "30")
     (r,) = report["results"]
     assert rc == 0 and r["status"] == "built" and r["verified"], r
-    assert r["details"]["origin"] == "seeded"
+    assert r["details"]["origin"] == "seeded" and r["verified_rows"] == {"rows": 8, "verified_rows": 2, "group": 1}
+    # the table marks it and says on how many rows
+    assert main(["build-cache", str(model), "--only", "attention_decode", "--batch-sizes", "4", "--kv-lens", "64",
+                 "--cache-dir", str(cache_dir), "--no-package"]) == 0
+    out = capsys.readouterr().out
+    assert "yes*" in out and "2 of 8 rows" in out
     cache = KernelCache(cache_dir, readonly_dirs=())
     (entry,) = [e for e in cache.entries(specs={"attention_decode"}) if e.key.dims_dict["batch"] == 4]
     assert entry.certificate["rows"] == {"rows": 8, "verified_rows": 2, "group": 1}
