@@ -127,3 +127,25 @@ def test_memory_estimates_scale_with_the_rows():
     need = verify_memory_bytes(spec)
     assert rows_within_memory(spec, need) is None
     assert rows_within_memory(spec, need - 1) == 3  # half of it holds 3 of 8 rows
+
+
+def test_reductions_and_concats_without_a_dim_attribute_use_the_defaults():
+    from mirage_serve.mugraph.graph import KernelGraph, Op
+
+    x = Op.make("input", name="X", shape=(8, 4), dtype="float32")
+    assert row_split(KernelGraph((x, Op.make("reduce", (0,), fn="sum")), (1,))) is not None  # over the last dim
+    assert row_split(KernelGraph((x, Op.make("concat", (0, 0))), (1,))) is None  # along dim 0: the rows
+
+
+def test_invalid_or_mismatched_candidates_get_a_certificate_on_the_reduced_path():
+    from mirage_serve.mugraph.graph import KernelGraph, Op
+
+    spec = attention_spec()
+    broken = KernelGraph((Op.make("input", name="Q", shape=(8, 2, 16), dtype="float32"), Op.make("unary", (5,), fn="exp")), (1,))
+    cert = verify_equivalent(broken, spec, trials=1, max_rows=2)
+    assert cert.verdict == "not_equivalent" and "not a valid" in cert.reason
+    other_rows = attention_candidate(batch=2)
+    cert = verify_equivalent(other_rows, spec, trials=1, max_rows=2)
+    assert cert.verdict == "not_equivalent" and "input 0" in cert.reason
+    with pytest.raises(ValueError, match="run_candidate"):
+        verify_equivalent(attention_candidate(), spec, trials=1, max_rows=2, run_candidate=lambda *a: a)

@@ -23,7 +23,7 @@ import mirage_serve
 from mirage_serve.mugraph.graph import KernelGraph, MuGraphError
 from mirage_serve.mugraph.serialize import content_hash
 from mirage_serve.verify import float_check as _float
-from mirage_serve.verify.finite_field import DEFAULT_TRIALS, FieldVerifier
+from mirage_serve.verify.finite_field import DEFAULT_TRIALS, FieldVerifier, signature_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,8 @@ def verify_equivalent(
     call its ``verify``."""
     rows = _rows_of(spec)
     if max_rows is not None and rows is not None and rows > max_rows:
+        if run_candidate is not None:
+            raise ValueError("run_candidate runs a kernel at the spec's full shapes; it cannot be combined with max_rows")
         return _verify_on_fewer_rows(candidate, spec, rows, max_rows, trials=trials, seed=seed, float_check=float_check,
                                      float_dtype=float_dtype)
     return Verifier(spec, trials=trials, seed=seed).verify(
@@ -236,14 +238,25 @@ def _verify_on_fewer_rows(candidate: KernelGraph, spec: KernelGraph, rows: int, 
     from mirage_serve.verify.rows import common_group, reduced_rows, with_rows
 
     t0 = time.perf_counter()
+    method = f"{METHOD_FIELD} {METHOD_ROWS}"
+    try:
+        mismatch = signature_mismatch(candidate, spec)
+        candidate_hash = content_hash(candidate)
+    except MuGraphError as e:
+        mismatch, candidate_hash = f"candidate is not a valid μGraph: {e}", ""
+    if mismatch is not None:
+        cert = Certificate("not_equivalent", mismatch, method, kw["trials"], kw["seed"], spec_hash=content_hash(spec),
+                           candidate_hash=candidate_hash)
+        cert.elapsed_s = time.perf_counter() - t0
+        return cert
     common = common_group(candidate, spec)
     n = reduced_rows(rows, common[1], max_rows) if common is not None and common[0] == rows else None
     if n is None:
         why = ("the two graphs are not both row-separable" if common is None or common[0] != rows
                else f"their row groups ({common[1]} rows) exceed it")
         cert = Certificate("unknown", f"not verified: {rows} rows exceed the {max_rows} that may be evaluated here, and {why}",
-                           METHOD_FIELD, kw["trials"], kw["seed"], spec_hash=content_hash(spec))
-        cert.candidate_hash, cert.elapsed_s = content_hash(candidate), time.perf_counter() - t0
+                           method, kw["trials"], kw["seed"], spec_hash=content_hash(spec), candidate_hash=candidate_hash)
+        cert.elapsed_s = time.perf_counter() - t0
         return cert
     cert = Verifier(with_rows(spec, n), trials=kw["trials"], seed=kw["seed"]).verify(
         with_rows(candidate, n), float_check=kw["float_check"], float_dtype=kw["float_dtype"])

@@ -134,12 +134,12 @@ def _kernel_op_rows(op: Op, shapes: list[tuple[int, ...]], ins: list[int], out: 
     elif op.kind == "matmul":
         out_r = r if r < rank - 2 else None  # rows are a batch dim of both operands
     elif op.kind == "reduce":
-        d = op.attr("dim") % rank
+        d = op.attr("dim", -1) % rank
         out_r = None if d == r else (r - 1 if d < r and not op.attr("keepdim", True) else r)
     elif op.kind == "rms_norm":
         out_r = r if len(op.inputs) == 1 and r != rank - 1 else None
     elif op.kind == "concat":
-        out_r = r if op.attr("dim") % rank != r else None
+        out_r = r if op.attr("dim", 0) % rank != r else None
     if out_r is None or out_r >= len(out) or out[out_r] != rows:
         return None
     return out_r
