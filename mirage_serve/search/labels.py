@@ -24,8 +24,14 @@ of einsum subscripts:
     contraction: ``(X | X@A) @ (W ; B)``),
   - produces a tensor with the same label on two dims (``X @ X^T``).
 
-``None`` is the wildcard: a dim of size one (it broadcasts against anything),
-a kept dim a reduction collapsed, or a tensor whose origin is not tracked.
+``None`` is the wildcard: a kept dim a reduction collapsed, or a tensor whose
+origin is not tracked; it lines up with any label. A labelled dim lines up only
+with the same label, whatever its extent: an axis that has extent one at the
+spec's sizes (the query group of multi-head attention, the batch at batch 1)
+does not broadcast against another axis, so the operators the rule admits do
+not depend on which axes happen to be one long. (Were they admitted, multi-head
+attention's Q tile would multiply K and V tiles elementwise, and the search
+would spend its budget on those products before reaching Q·Kᵀ.)
 The rule assumes that every intermediate of a useful program is indexed by
 the spec's own axes, which holds for the fusions of the paper: tiling,
 split reductions, running maxima and concatenated contractions never need an
@@ -238,10 +244,6 @@ def spec_labels(spec: KernelGraph) -> SpecLabels:
 
 def _merge(la: Label, sa: int, lb: Label, sb: int) -> tuple[bool, Label]:
     """Line up two dims of sizes sa, sb: (ok, label of the result)."""
-    if sa == 1 and sb != 1:
-        return True, lb
-    if sb == 1 and sa != 1:
-        return True, la
     if la is None:
         return True, lb
     if lb is None or la == lb:
