@@ -217,3 +217,47 @@ def test_map_choices_stream_every_input_along_the_loop_label():
             assert all(c.forloop_dims[j] >= 0 for j in carriers), (name, c)
     # decode attention's single-loop choice (K and V stream the KV length, Q is whole) is kept
     assert any(c.input_maps == ((0,), (0,), (0,)) and c.forloop_dims == (-1, 1, 1) for c in choices)
+
+
+def test_a_labelled_axis_of_extent_one_lines_up_only_with_itself():
+    """Multi-head attention (one query per KV head): Q's group axis has extent one. It must not
+    broadcast against K's KV-length axis (Q ⊙ K is no intermediate of Q·Kᵀ at any other group
+    size), while the kept dim of a reduction (label None) still broadcasts as before."""
+    from mirage_serve.search.labels import op_labels, spec_labels
+
+    spec = build_spec("attention_decode", dict(batch=1, q_heads=2, kv_heads=2, head_dim=32, kv_len=64))
+    lab = spec_labels(spec)
+    lq, lk, _ = lab.inputs
+    q, k = (1, 1, 32), (1, 16, 32)
+    assert op_labels(Op.make("binary", (0, 1), fn="mul"), [q, k], [lq, lk], (1, 16, 32), lab) is None
+    s_lab = op_labels(Op.make("matmul", (0, 1), trans_b=True), [q, k], [lq, lk], (1, 1, 16), lab)
+    assert s_lab == (lq[0], lq[1], lk[1])
+    m_lab = op_labels(Op.make("reduce", (0,), fn="max", dim=-1), [(1, 1, 16)], [s_lab], (1, 1, 1), lab)
+    assert m_lab == (lq[0], lq[1], None)
+    assert op_labels(Op.make("binary", (0, 1), fn="sub"), [(1, 1, 16), (1, 1, 1)], [s_lab, m_lab], (1, 1, 16), lab) == s_lab
+
+
+def test_multi_head_attention_reaches_the_single_loop_kernel_as_soon_as_grouped_query_attention():
+    """The block enumeration of the flash form's map choice (grid over batch x KV heads, loop over
+    the KV length) reaches the single-loop softmax·V kernel within the same number of block nodes
+    for one query per KV head as for two; before the rule above it was not reached in 90000."""
+    from mirage_serve.search.enumerate import Budget, enumerate_blocks, prefix_graph
+    from mirage_serve.search.labels import kernel_labels
+
+    wanted = sorted([("matmul", None), ("unary", "mul_scalar"), ("unary", "exp"), ("accum", "sum_last"),
+                     ("matmul", None), ("accum", "sum"), ("binary", "div")])
+    reached = {}
+    for q_heads in (4, 2):
+        spec = build_spec("attention_decode", dict(batch=1, q_heads=q_heads, kv_heads=2, head_dim=32, kv_len=64))
+        engine, vocab = default_engine(spec, True), Vocabulary.from_spec(spec)
+        g = prefix_graph(tuple(op for op in spec.ops if op.kind == "input"))
+        infos, exprs, labels = list(g.info), engine.graph_exprs(g), kernel_labels(g, vocab.labels)
+        (choice,) = [c for c in map_choices(infos, 1, None, labels, vocab.labels)
+                     if c.input_maps == ((0,), (0,), (0,)) and c.forloop_dims == (-1, 1, 1)]
+        budget = Budget(None, 30000)
+        for comp in enumerate_blocks(choice, (0, 1, 2), infos, exprs, g, engine, vocab, 7, 1, Counters(), budget, labels):
+            if sorted((op.kind, op.attr("fn")) for op in comp.op.block.ops) == wanted:
+                reached[q_heads] = budget.nodes
+                break
+    assert set(reached) == {4, 2}, reached
+    assert reached[2] <= 1.1 * reached[4]
