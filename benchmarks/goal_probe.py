@@ -74,6 +74,16 @@ QKV_POINTS_TMA = [("fused c64 k256", QKV_BASE), ("fused c48 k256", {**QKV_BASE, 
                   ("fused c64 k128", {**QKV_BASE, **TMA}), ("fused c64 k128", {**QKV_BASE, "num_stages": 6, **TMA}),
                   ("fused c128 k128", {**QKV_BASE, "num_warps": 8, **TMA}), ("fused c128 k128", {**QKV_BASE, "num_warps": 8, "num_stages": 3, **TMA}),
                   ("splitk c64 s2 k256", {**QKV_BASE, "pdl": 1, **TMA})]
+# --pdl2: the partials kernel launched plainly, only the combine with PDL (``pdl=2``); the first point of each is the best before it
+P2 = {**ATT, "pdl": 2}
+ATT_POINTS_PDL2 = {
+    4096: [("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), ("s64 t64 cd8", {**P2, "late_ext_mask": 2}), ("s64 t64 cd8", {**ATT}),
+           ("s64 t64 cd8", {**P2}), ("s64 t64 cd8", {**P2, "late_ext_mask": 2, "num_warps": 2}), ("s64 t64 cd4", {**P2, "late_ext_mask": 2}),
+           ("s32 t128 cd8", {**P2, "late_ext_mask": 2}), ("s64 t32 cd8", {**P2, "late_ext_mask": 2})],
+    8192: [("s64 t32 cd8", {**ATT, "late_ext_mask": 1}), ("s64 t32 cd8", {**P2, "late_ext_mask": 1}), ("s32 t64 cd2", {**ATT, "num_stages": 3}),
+           ("s32 t64 cd2", {**P2, "num_stages": 3}), ("s64 t32 cd8", {**P2}), ("s64 t64 cd8", {**P2, "late_ext_mask": 1}),
+           ("s32 t64 cd4", {**P2, "num_stages": 3, "late_ext_mask": 1})],
+}
 BREAKDOWN = {4096: ("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), 8192: ("s32 t64 cd2", {**ATT, "num_stages": 3})}
 
 
@@ -267,7 +277,7 @@ def attention(kv: int, reps: int) -> dict:
         res["final"]["best"].append(measure(f"final {best['label']}", A.graph_for(kv, best["label"].split(" ", 1)[1]), best["params"], case.check_sets,
                                             full_check, case.sets, reps * 2, var))
         n0, p0 = ATT_POINTS[kv][0]
-        res["final"]["baseline"].append(measure(f"final {n0} (18:49 best)", A.graph_for(kv, n0), p0, case.check_sets, full_check, case.sets, reps * 2, var))
+        res["final"]["baseline"].append(measure(f"final {n0} (earlier best)", A.graph_for(kv, n0), p0, case.check_sets, full_check, case.sets, reps * 2, var))
     return res
 
 
@@ -347,10 +357,13 @@ def main() -> int:
     ap.add_argument("--skip-qkv", action="store_true")
     ap.add_argument("--second", action="store_true", help="the breakdown by recorded launches and the second QKV point list")
     ap.add_argument("--tma", action="store_true", help="the tma=1 point lists (ATT_POINTS_TMA, QKV_POINTS_TMA); writes goal-probe-tma.json")
+    ap.add_argument("--pdl2", action="store_true", help="the pdl=2 attention points (ATT_POINTS_PDL2); writes goal-probe-pdl2.json")
     args = ap.parse_args()
     global ATT_POINTS, QKV_POINTS
     if args.tma:
         ATT_POINTS, QKV_POINTS = ATT_POINTS_TMA, QKV_POINTS_TMA
+    if args.pdl2:
+        ATT_POINTS = ATT_POINTS_PDL2
     import torch
     import triton
 
@@ -358,7 +371,7 @@ def main() -> int:
     from mirage_serve.tune.timing import copy_bandwidth
 
     t0 = time.time()
-    out = Path(args.out) / ("goal-probe-tma.json" if args.tma else "goal-probe.json")
+    out = Path(args.out) / ("goal-probe-tma.json" if args.tma else "goal-probe-pdl2.json" if args.pdl2 else "goal-probe.json")
     report: dict = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                                     "codegen_version": CODEGEN_VERSION, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}}
     save = lambda: out.write_text(json.dumps(report, indent=1, default=str))

@@ -244,3 +244,32 @@ def test_codegen_version_and_cache_params():
     assert cp == {"matmul": "dot", "dot_precision": "input", "pdl": 1, "shrink_grid": 0}
     assert all(isinstance(v, int | str) and not isinstance(v, bool) for v in cp.values())
     assert CodegenParams.from_dict(cp) == p
+
+
+def test_pdl_2_launches_the_first_kernel_plainly():
+    """``pdl=2``: the graph's first kernel neither waits nor is launched with PDL, but still lets the
+    next one launch early; the kernels after it wait first and are launched with PDL. Same results."""
+    from mirage_serve.codegen.runtime import _plan
+
+    g = split_kv_attention(2, 8, 2, 16, 96, splits=3, loop=4)
+    k0, k1 = _plan(g, CodegenParams(pdl=2)).kernels[3:5]
+    body0, body1 = (k.text.split('"""')[2].strip().splitlines() for k in (k0, k1))
+    assert "gdc_wait" not in k0.text and body0[0].strip() == "tl.extra.cuda.gdc_launch_dependents()"
+    assert body1[0].strip() == "tl.extra.cuda.gdc_wait()" and body1[1].strip() == "tl.extra.cuda.gdc_launch_dependents()"
+    assert (k0.pdl, k1.pdl) == (False, True)
+    assert all(k.pdl for k in _plan(g, CodegenParams(pdl=1)).kernels if k is not None)
+    ins = random_inputs(g, torch.Generator().manual_seed(5))
+    ref = compile_graph(g, CodegenParams())(*ins)[0]
+    assert torch.equal(compile_graph(g, CodegenParams(pdl=2))(*ins)[0], ref)
+    with pytest.raises(Exception, match="pdl=3"):
+        CodegenParams(pdl=3)
+
+
+def test_pdl_2_compiles_for_hopper():
+    from mirage_serve.codegen.runtime import _plan, compile_for_target
+
+    p = CodegenParams(matmul="dot", dot_precision="input", pdl=2)
+    k0, k1 = (k for k in _plan(split_kv_attention(1, 32, 8, 128, 4096, splits=64, loop=1, dtype="bfloat16"), p).kernels if k is not None)
+    ptx0, ptx1 = compile_for_target(k0, params=p), compile_for_target(k1, params=p)
+    assert "griddepcontrol.launch_dependents" in ptx0 and "griddepcontrol.wait" not in ptx0
+    assert "griddepcontrol.wait" in ptx1

@@ -38,7 +38,10 @@ class CodegenParams:
       decomposes (see :func:`mirage_serve.codegen.triton_gen.refine_loop`).
     * ``pdl``: 1 launches every kernel with programmatic dependent launch
       (Hopper and newer): a kernel's launch overlaps the tail of the one before
-      it and waits (``griddepcontrol.wait``) before touching memory.
+      it and waits (``griddepcontrol.wait``) before touching memory. 2 does so for every kernel
+      but the graph's first, which is launched plainly (after all work before it, like a kernel
+      without PDL) and only lets the kernel after it launch early: a first kernel launched with
+      PDL behind an unrelated kernel pays for the overlap without gaining from it.
     * ``fused_combine``: 1 runs a graph of two kernels, partials then their combine (split-KV
       attention, split-K), as one launch: each program of the first writes its partials, then
       counts itself in on an atomic counter of its group (the programs whose partials one combine
@@ -89,8 +92,10 @@ class CodegenParams:
             raise CodegenError(f"CodegenParams.num_stages={self.num_stages}; use 1..8")
         if self.dot_min_rows < 1:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
-        if self.dot_swap not in (0, 1) or self.pdl not in (0, 1) or self.fused_combine not in (0, 1) or self.tma not in (0, 1):
-            raise CodegenError("CodegenParams.dot_swap, .pdl, .fused_combine and .tma are 0 or 1")
+        if self.dot_swap not in (0, 1) or self.fused_combine not in (0, 1) or self.tma not in (0, 1):
+            raise CodegenError("CodegenParams.dot_swap, .fused_combine and .tma are 0 or 1")
+        if self.pdl not in (0, 1, 2):
+            raise CodegenError(f"CodegenParams.pdl={self.pdl}; use 0, 1 or 2")
         if self.late_ext_mask not in (0, 1, 2):
             raise CodegenError(f"CodegenParams.late_ext_mask={self.late_ext_mask}; use 0, 1 or 2")
         if self.stream_evict not in (0, 1, 2):

@@ -165,7 +165,8 @@ def _plan(graph: KernelGraph, params: CodegenParams, variable_dims: tuple[tuple[
                     out_rows=[rdims[t] for t in outs], where=f"kernel op {i}", arg_ext=[ext.dims[t] for t in op.inputs],
                     out_ext=[ext.dims[t] for t in outs],
                     # graph inputs, in kernels after the first: written before the kernel before this one passed its wait
-                    early_inputs=frozenset(p for p, t in enumerate(op.inputs) if t in graph_inputs) if not first else frozenset())
+                    early_inputs=frozenset(p for p, t in enumerate(op.inputs) if t in graph_inputs) if not first else frozenset(),
+                    plain_launch=first and params.pdl == 2)
 
     for i, op in enumerate(graph.ops):
         if op.kind != "customized" or (fusion is not None and i == fusion.second):
@@ -317,7 +318,7 @@ def compile_for_target(source: KernelSource, arch: int = 90, warp_size: int = 32
     from mirage_serve.codegen.aot import compile_to_ptx
 
     p = params or CodegenParams()
-    return compile_to_ptx([source], arch, warp_size, p.num_warps, p.num_stages, launch_pdl=bool(p.pdl))[0]
+    return compile_to_ptx([source], arch, warp_size, p.num_warps, p.num_stages, launch_pdl=source.pdl)[0]
 
 
 def _torch_op(op, ins: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
@@ -479,8 +480,6 @@ class CompiledGraph:
         elif lengths is not None:
             raise CodegenError("this graph has no variable extents; compile it with variable_dims to pass lengths")
         launch = {"num_warps": self.params.num_warps, "num_stages": self.params.num_stages}
-        if self.params.pdl:
-            launch["launch_pdl"] = True
         vals: list[torch.Tensor] = []
         n_in = 0
         fused_into = {b: a for a, b in self._plan.fused}
@@ -517,7 +516,7 @@ class CompiledGraph:
                     args.append(n)
                 for e in src.extents:
                     args += [sizes[e], lengths[e:e + 1] if len(sizes) > 1 else lengths]
-                launched = self._kernel(i, src)[grid](*args, **launch)
+                launched = self._kernel(i, src)[grid](*args, **launch, **({"launch_pdl": True} if src.pdl else {}))
                 if i not in self._launched:
                     self._launched[i] = launched
                 vals.extend(outs)

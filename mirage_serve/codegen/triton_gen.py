@@ -169,9 +169,12 @@ class _Gen:
         arg_ext: list[dict[int, int]] | None = None,
         out_ext: list[dict[int, int]] | None = None,
         early_inputs: frozenset[int] = frozenset(),
+        plain_launch: bool = False,
     ) -> None:
         self.name, self.op, self.block = name, op, op.block
         self.early_inputs = early_inputs
+        # ``pdl=2``, the graph's first kernel: launched plainly (after all work before it), it only lets the next one launch early
+        self.plain_launch = plain_launch
         self.arg_ext = arg_ext or [{} for _ in arg_infos]
         self.out_ext = out_ext or [{} for _ in out_infos]
         self.arg_infos, self.arg_storage, self.arg_rows = arg_infos, arg_storage, arg_rows
@@ -438,7 +441,7 @@ class _Gen:
         deferred = self._deferred(phases)
         wait_late = deferred is not None
         if self.params.pdl and not self.body_mode:  # wait for the kernel before (its outputs, and its reads of our outputs), then let the next one launch
-            if not wait_late:
+            if not wait_late and not self.plain_launch:
                 self.emit("tl.extra.cuda.gdc_wait()")
             self.emit("tl.extra.cuda.gdc_launch_dependents()")
         deferred = deferred or set()
@@ -543,7 +546,7 @@ class _Gen:
         head.append('    """')
         self.fn_text = "\n".join(head + body) + "\n"
         text = (_MAX_COMBINE_SRC if self.uses_max else "") + self.fn_text
-        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl),
+        return KernelSource(self.name, text, tuple(blk.grid), sig, self.uses_n_rows, tuple(rows_per_program), tuple(extents), bool(self.params.pdl) and not self.plain_launch,
                             tma=bool(self.tma_loads))
 
     def _deferred(self, phases: list[str]) -> set[int] | None:
@@ -552,7 +555,7 @@ class _Gen:
         kernel before still runs; None (wait at the start) unless everything read up to the end of the
         loop is a graph input (``early_inputs``: it was written before the kernel before this one
         passed its own wait, so it is visible here)."""
-        if not self.params.pdl or not self.early_inputs:
+        if not self.params.pdl or self.plain_launch or not self.early_inputs:
             return None
         blk = self.block
         need: set[int] = set()  # invariant tiles the loop reads, directly or through invariant ops
@@ -997,30 +1000,34 @@ def generate_kernel(
     arg_ext: list[dict[int, int]] | None = None,
     out_ext: list[dict[int, int]] | None = None,
     early_inputs: frozenset[int] = frozenset(),
+    plain_launch: bool = False,
 ) -> KernelSource:
     """Triton source for one customized operator (see the module docstring).
 
     ``arg_ext`` / ``out_ext``: per kernel input / output, its variable-extent dims (dim -> extent id).
     ``early_inputs``: kernel inputs that a ``pdl`` launch may read before waiting for the kernel
-    before it (graph inputs, in a kernel that is not the graph's first)."""
+    before it (graph inputs, in a kernel that is not the graph's first). ``plain_launch``: with
+    ``pdl=2``, this is the graph's first kernel: it is launched without programmatic dependent launch
+    and does not wait, but still lets the kernel after it launch early."""
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
     return _build_gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext,
-                      early_inputs).generate()
+                      early_inputs, plain_launch).generate()
 
 
 def _build_gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext=None, out_ext=None,
-               early_inputs=frozenset()) -> _Gen:
+               early_inputs=frozenset(), plain_launch=False) -> _Gen:
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
-    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs)
+    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs,
+               plain_launch)
     f = params.k_chunks
     if f > 1 and any(bi.forloop_dim != -1 for bi in op.block.inputs):
         check_loop_refinable(op.block, gen.bd, f, where)
         refined = dataclasses.replace(op, block=dataclasses.replace(op.block, forloop_range=op.block.forloop_range * f))
         try:
             gen = _Gen(name, refined, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext,
-                       early_inputs)
+                       early_inputs, plain_launch)
         except MuGraphError as e:
             raise CodegenError(f"{where}: k_chunks={f} does not divide the loop tiles: {e}") from e
     return gen
