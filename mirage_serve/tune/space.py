@@ -16,9 +16,9 @@ follows from a few features of the graph, never from the benchmark case:
   3.6 compiled such kernels into illegal memory accesses and wrong results on the H200
   (2026-12-03; the same kernels in the plain orientation, and with ``tl.max`` before, were right).
 * **launch overlap.** Graphs of more than one kernel start with programmatic
-  dependent launch on (``pdl=1``); the neighbours turn it off, or keep it for every kernel but the
-  first (``pdl=2``: the first launches plainly, without the overlap it cannot use behind an
-  unrelated kernel, and still lets the next one launch early).
+  dependent launch on (``pdl=1``); the neighbours turn it off. ``pdl=2`` (the first kernel
+  launched plainly) is not tried: it was slower than ``pdl=1`` at all four paired attention points
+  of the 2026-12-06 H100 run (``benchmarks/results/2026-12-06-h100-goal-probe-pdl2.*``).
 * **one launch for partials and their combine.** Where the graph is a partials kernel and a
   combine that reads only its outputs (split-KV attention), every first-round point is also tried
   with ``fused_combine=1`` (the last program of each group to finish runs the combine): it saves a
@@ -139,9 +139,7 @@ def neighbours(graph: KernelGraph, params: dict[str, Any], variable_dims: tuple[
             if s != st:
                 with_(num_stages=s)
     if f["kernels"] > 1:
-        for v in (0, 1, 2):
-            if v != p.get("pdl", 0):
-                with_(pdl=v)
+        with_(pdl=0 if p.get("pdl", 0) else 1)
     if p.get("matmul") == "dot" and (p.get("dot_swap", 0) or not f["dot_into_max"]):
         with_(dot_swap=0 if p.get("dot_swap", 0) else 1)
     if f["max_loop"] >= 1 and p.get("k_chunks", 1) == 1:
