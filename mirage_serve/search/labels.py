@@ -242,8 +242,8 @@ def spec_labels(spec: KernelGraph) -> SpecLabels:
                       tuple((k, frozenset(v)) for k, v in sorted(sums.items())))
 
 
-def _merge(la: Label, sa: int, lb: Label, sb: int) -> tuple[bool, Label]:
-    """Line up two dims of sizes sa, sb: (ok, label of the result)."""
+def _merge(la: Label, lb: Label) -> tuple[bool, Label]:
+    """Line up two dims labelled la, lb, whatever their extents: (ok, label of the result)."""
     if la is None:
         return True, lb
     if lb is None or la == lb:
@@ -259,7 +259,7 @@ def _broadcast(a_shape, a_lab, b_shape, b_lab) -> tuple[Label, ...] | None:
         elif j is None:
             out.append(a_lab[i])
         else:
-            ok, lab = _merge(a_lab[i], a_shape[i], b_lab[j], b_shape[j])
+            ok, lab = _merge(a_lab[i], b_lab[j])
             if not ok:
                 return None
             out.append(lab)
@@ -298,7 +298,7 @@ def op_labels(op: Op, in_shapes: list[tuple[int, ...]], in_labels: list[tuple[La
         trans = bool(op.attr("trans_b"))
         kb = len(b) - 1 if trans else len(b) - 2
         nb = len(b) - 2 if trans else len(b) - 1
-        ok, k = _merge(la[-1], a[-1], lb[kb], b[kb])
+        ok, k = _merge(la[-1], lb[kb])
         if not ok or not spec.is_contracted(k):
             return None
         batch = _broadcast(a[:-2], la[:-2], b[:-2], lb[:-2])
@@ -315,9 +315,9 @@ def op_labels(op: Op, in_shapes: list[tuple[int, ...]], in_labels: list[tuple[La
         d = op.attr("dim", 0) % len(out_shape)
         first = in_labels[0]
         parts = []
-        for s, lab in zip(in_shapes, in_labels, strict=True):
+        for lab in in_labels:
             for k in range(len(lab)):
-                if k != d and not _merge(first[k], in_shapes[0][k], lab[k], s[k])[0]:
+                if k != d and not _merge(first[k], lab[k])[0]:
                     return None
             parts.append(lab[d])
         if any(not spec.is_contracted(p) or isinstance(p, tuple) for p in parts):
