@@ -21,8 +21,6 @@ from mirage_serve.verify.rows import row_split  # noqa: E402
 # the memory of the machine the shipped entries were built on (2 cores, 24 GiB): buckets whose
 # verification needs more were verified on fewer rows there when row-separable, else not shipped
 BUILD_MACHINE_BYTES = 21 * 2**30
-# specs of a bundled model that ship without entries, and why (none now)
-NOT_SHIPPED: dict[tuple[str, str], str] = {}
 
 
 def _shipped() -> KernelCache:
@@ -65,8 +63,6 @@ def test_shipped_entries_cover_every_bundled_config(model_id):
     plan = adapter_for_config(config).plan(config, [1, 2, 4, 8, 16, 32, 64], kv_lens=list(DEFAULT_KV_LEN_BUCKETS))
     missing = []
     for item in cmd_build_cache.dedupe(plan.subgraphs):
-        if (model_id, item.subgraph.spec_name) in NOT_SHIPPED or (model_id, item.describe()) in NOT_SHIPPED:
-            continue
         key = cmd_build_cache.make_key(item.subgraph, "unprofiled")
         spec = item.subgraph.build_spec()
         # a bucket too large to evaluate there is verified on fewer rows when it is row-separable (decode attention)
