@@ -11,7 +11,7 @@ contenders are re-timed interleaved, twice.
 
 Usage: ``python benchmarks/goal_probe.py --out DIR`` (writes goal-probe.json); with ``--tma`` the
 same cases with the ``tma`` codegen parameter (tensor-descriptor loads) against the earlier bests
-(writes goal-probe-tma.json).
+(writes goal-probe-tma.json); with ``--pdl2`` / ``--dotacc`` the attention points with ``pdl=2`` / ``dot_acc=1``.
 """
 
 from __future__ import annotations
@@ -83,6 +83,15 @@ ATT_POINTS_PDL2 = {
     8192: [("s64 t32 cd8", {**ATT, "late_ext_mask": 1}), ("s64 t32 cd8", {**P2, "late_ext_mask": 1}), ("s32 t64 cd2", {**ATT, "num_stages": 3}),
            ("s32 t64 cd2", {**P2, "num_stages": 3}), ("s64 t32 cd8", {**P2}), ("s64 t64 cd8", {**P2, "late_ext_mask": 1}),
            ("s32 t64 cd4", {**P2, "num_stages": 3, "late_ext_mask": 1})],
+}
+# --dotacc: the MMA accumulating in place (``dot_acc=1``: acc = dot(p, v, acc * alpha)); the first point of each is the best before it
+DA = {"dot_acc": 1}
+ATT_POINTS_DOTACC = {
+    4096: [("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), ("s64 t64 cd8", {**ATT, "late_ext_mask": 2, **DA}),
+           ("s64 t64 cd8", {**ATT, "late_ext_mask": 2, "num_warps": 2, **DA}), ("s32 t128 cd8", {**ATT, "late_ext_mask": 2, **DA})],
+    8192: [("s32 t64 cd2", {**ATT, "num_stages": 3}), ("s32 t64 cd2", {**ATT, "num_stages": 3, **DA}), ("s64 t32 cd8", {**ATT, "late_ext_mask": 1}),
+           ("s64 t32 cd8", {**ATT, "late_ext_mask": 1, **DA}), ("s32 t64 cd2", {**ATT, "num_stages": 4, **DA}),
+           ("s32 t128 cd4", {**ATT, "num_stages": 3, **DA})],
 }
 BREAKDOWN = {4096: ("s64 t64 cd8", {**ATT, "late_ext_mask": 2}), 8192: ("s32 t64 cd2", {**ATT, "num_stages": 3})}
 
@@ -358,12 +367,15 @@ def main() -> int:
     ap.add_argument("--second", action="store_true", help="the breakdown by recorded launches and the second QKV point list")
     ap.add_argument("--tma", action="store_true", help="the tma=1 point lists (ATT_POINTS_TMA, QKV_POINTS_TMA); writes goal-probe-tma.json")
     ap.add_argument("--pdl2", action="store_true", help="the pdl=2 attention points (ATT_POINTS_PDL2); writes goal-probe-pdl2.json")
+    ap.add_argument("--dotacc", action="store_true", help="the dot_acc=1 attention points (ATT_POINTS_DOTACC); writes goal-probe-dotacc.json")
     args = ap.parse_args()
     global ATT_POINTS, QKV_POINTS
     if args.tma:
         ATT_POINTS, QKV_POINTS = ATT_POINTS_TMA, QKV_POINTS_TMA
     if args.pdl2:
         ATT_POINTS = ATT_POINTS_PDL2
+    if args.dotacc:
+        ATT_POINTS = ATT_POINTS_DOTACC
     import torch
     import triton
 
@@ -371,7 +383,8 @@ def main() -> int:
     from mirage_serve.tune.timing import copy_bandwidth
 
     t0 = time.time()
-    out = Path(args.out) / ("goal-probe-tma.json" if args.tma else "goal-probe-pdl2.json" if args.pdl2 else "goal-probe.json")
+    out = Path(args.out) / ("goal-probe-tma.json" if args.tma else "goal-probe-pdl2.json" if args.pdl2 else "goal-probe-dotacc.json" if args.dotacc
+                           else "goal-probe.json")
     report: dict = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                                     "codegen_version": CODEGEN_VERSION, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}}
     save = lambda: out.write_text(json.dumps(report, indent=1, default=str))

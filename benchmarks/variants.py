@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -70,6 +71,26 @@ def split_k_rmsnorm_linear(batch: int, hidden: int, out: int, n_blocks: int, spl
     return g.build([y])
 
 
+def norm_then_linear(batch: int, hidden: int, out: int, n_blocks: int, loop: int, norm_blocks: int, eps: float = 1e-6,
+                     dtype: str = "float32") -> KernelGraph:
+    """Kernel 1: grid over row blocks, each normalises its whole rows, x·g·rsqrt(mean(x²) + eps), into
+    a tensor of the graph's dtype (as transformers' RMSNorm rounds before its linear).
+    Kernel 2: a plain tiled matmul of those rows with W^T, both operands streamed along K straight
+    into the tensor cores (no per-tile arithmetic between the load and the MMA)."""
+    g = GraphBuilder()
+    x, gn, w = g.input("X", (batch, hidden), dtype), g.input("G", (hidden,), dtype), g.input("W", (out, hidden), dtype)
+    b1 = BlockBuilder((norm_blocks,), 1)
+    tx, tg = b1.input(0, (0,), -1), b1.input(1, (-1,), -1)
+    ms = b1.unary("mul_scalar", b1.reduce("sum", b1.binary("mul", tx, tx), 1), scalar=1.0 / hidden)
+    b1.output(b1.binary("mul", b1.binary("mul", tx, tg), b1.unary("rsqrt", b1.unary("add_scalar", ms, scalar=eps))), (0,))
+    (xn,) = g.customized([x, gn], b1.build())
+    b2 = BlockBuilder((n_blocks,), loop)
+    tx2, tw = b2.input(0, (-1,), 1), b2.input(1, (0,), 1)
+    b2.output(b2.accum("sum", b2.matmul(tx2, tw, trans_b=True)), (1,))
+    (y,) = g.customized([xn, w], b2.build())
+    return g.build([y])
+
+
 def two_kernel_lora(batch: int, k: int, n: int, rank: int, n_blocks: int, loop: int, xa_splits: int, xa_loop: int,
                     scale: float = 2.0, dtype: str = "float32") -> KernelGraph:
     """Kernel 1: split-K partials of X @ A^T ([splits, batch, rank]); kernel 2: a GEMV over W
@@ -111,7 +132,10 @@ def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps
     32-128 columns and 128-512 long chunks for tile matmuls: the weight tile is the MMA's M side; 16
     columns lost at every batch >= 8 of the 2026-12-03 runs, and at batch 32 fewer, longer chunks won
     by 2x; 48 columns, padded to 64 in registers, where the output divides: at 6144 that is 128
-    programs, one wave on 132 SMs, against 96 for 64 columns), and split-K partials with a combine kernel."""
+    programs, one wave on 132 SMs, against 96 for 64 columns); at batch >= 2 also the rows normalised
+    by a kernel of their own first and a plain tiled matmul after it (no arithmetic between its loads
+    and the MMA, which Triton can then keep in flight across iterations with ``dot_acc``); and split-K
+    partials with a combine kernel."""
     cs: list[Candidate] = []
     gemv = batch == 1
     tiles = itertools.product((4, 8, 16), (512, 1024)) if gemv else ((32, 128), (32, 256), (32, 512), (48, 128), (48, 256), (48, 512), (64, 128),
@@ -120,6 +144,12 @@ def rmsnorm_linear_candidates(batch: int, hidden: int, out: int, dtype: str, eps
         if _divides(out, c) and _divides(hidden, kc):
             cs.append(Candidate(f"fused c{c} k{kc}", hw.fused_rmsnorm_linear(batch, hidden, out, out // c, hidden // kc, eps=eps, dtype=dtype),
                                 "one kernel, whole K a program"))
+    if not gemv:  # the rows normalised by a first kernel, then a plain tiled matmul (its operands straight into the MMA)
+        nb = math.gcd(batch, 32)
+        for c, kc in ((32, 256), (48, 128), (48, 256), (64, 128), (64, 256), (128, 128), (128, 256)):
+            if _divides(out, c) and _divides(hidden, kc):
+                cs.append(Candidate(f"norm2 c{c} k{kc}", norm_then_linear(batch, hidden, out, out // c, hidden // kc, nb, eps=eps, dtype=dtype),
+                                    "normalise the rows, then a plain tiled matmul"))
     splits = ((64, 4, 256), (64, 8, 256)) if gemv else ((32, 2, 256), (64, 2, 256), (64, 4, 256), (128, 2, 256), (128, 4, 128))
     for c, s, kc in splits:
         kc = min(kc, hidden // s)

@@ -56,6 +56,10 @@ class CodegenParams:
       load). Such loads read up to the tensor's size, not the valid length.
     * ``stream_evict``: L2 eviction hints on loads: 1 ``evict_first`` on tiles no other program
       reads, 2 also ``evict_last`` on tiles several programs read (not on ``tma`` loads).
+    * ``dot_acc``: 1 lets a tile matmul on the tensor cores whose only reader is a sum accumulator
+      (plain or rescaled) accumulate in the MMA itself, ``acc = tl.dot(a, b, acc)`` (for a swapped
+      dot the accumulator is kept transposed until after the loop), instead of adding a separate
+      ``tl.dot`` result to it: Triton can then leave the MMA in flight across loop iterations.
     * ``tma``: 1 loads the for-loop's streamed tiles through tensor descriptors
       (``tl.make_tensor_descriptor`` / ``desc.load``: Hopper's bulk tensor copy engine) where the
       tile is a plain box of its tensor: every mask on it is a bound of a tensor dim (the row
@@ -80,6 +84,7 @@ class CodegenParams:
     late_ext_mask: int = 0
     stream_evict: int = 0
     tma: int = 0
+    dot_acc: int = 0
 
     def __post_init__(self) -> None:
         if self.matmul not in MATMUL_MODES:
@@ -92,8 +97,8 @@ class CodegenParams:
             raise CodegenError(f"CodegenParams.num_stages={self.num_stages}; use 1..8")
         if self.dot_min_rows < 1:
             raise CodegenError("CodegenParams.dot_min_rows must be positive")
-        if self.dot_swap not in (0, 1) or self.fused_combine not in (0, 1) or self.tma not in (0, 1):
-            raise CodegenError("CodegenParams.dot_swap, .fused_combine and .tma are 0 or 1")
+        if any(v not in (0, 1) for v in (self.dot_swap, self.fused_combine, self.tma, self.dot_acc)):
+            raise CodegenError("CodegenParams.dot_swap, .fused_combine, .tma and .dot_acc are 0 or 1")
         if self.pdl not in (0, 1, 2):
             raise CodegenError(f"CodegenParams.pdl={self.pdl}; use 0, 1 or 2")
         if self.late_ext_mask not in (0, 1, 2):
@@ -122,7 +127,7 @@ class CodegenParams:
     def key(self) -> str:
         """A short stable digest, for names of registered operators and cache keys."""
         d = self.to_dict()
-        for k in ("fused_combine", "late_ext_mask", "stream_evict", "tma"):  # keys of points without them stay as they were before the knobs existed
+        for k in ("fused_combine", "late_ext_mask", "stream_evict", "tma", "dot_acc"):  # keys of points without them stay as they were before the knobs existed
             if not d[k]:
                 del d[k]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]

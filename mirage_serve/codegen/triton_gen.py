@@ -202,6 +202,7 @@ class _Gen:
         self._plan_dots()
         self.pad = [max(_pow2(s), 16 if c in self.dot_classes else 1) for c, s in enumerate(self.bd.size)]
         self._plan_extents()
+        self.acc_dots = self._plan_acc_dots()
         self.late_loads = self._plan_late_loads()
         self.late_ext = bool(self.late_loads)
         self.tma_loads: dict[int, tuple[list[str], list[str], list[int], list[str]]] = {}
@@ -287,6 +288,29 @@ class _Gen:
             src = self.block.inputs[t].source
             if self.dot_native and uses and self.arg_storage[src] == self.low and all(u in self.dot_ops for u, _ in uses):
                 self.raw_loads.add(t)
+
+    def _plan_acc_dots(self) -> dict[int, int]:
+        """``dot_acc``: sum accumulators (plain or rescaled) -> the tensor-core matmul each one sums, where
+        that matmul runs in the loop, has no other reader and no variable-extent dim to mask: the
+        accumulator is then the MMA's own (``acc = tl.dot(a, b, acc)``), in the MMA's orientation."""
+        if not self.params.dot_acc:
+            return {}
+        readers: dict[int, list[int]] = {}
+        for j, op in enumerate(self.block.ops):
+            for x in op.inputs:
+                readers.setdefault(x, []).append(self.n_in + j)
+        outputs = {bo.tensor for bo in self.block.outputs}
+        out: dict[int, int] = {}
+        for j, op in enumerate(self.block.ops):
+            u = self.n_in + j
+            if op.kind != "accum" or op.attr("fn") not in ("sum", "rescaled_sum"):
+                continue
+            t = op.inputs[0]
+            if (t in self.dot_ops and readers.get(t) == [u] and t not in outputs and self.tiles[t].phase == "loop"
+                    and self.classes(t, self.kept(t)) == self.classes(u, self.kept(u)) and len(self.kept(t)) == 2
+                    and not any(c in self.dyn for c in self.bd.cls[t] if c is not None)):
+                out[u] = t
+        return out
 
     def _dots_into_max(self) -> set[int]:
         """Tile matmuls whose result a max reduction or running max reads, directly or through other ops."""
@@ -491,6 +515,8 @@ class _Gen:
             t = self.n_in + j
             if op.kind == "accum":
                 loop_env[t] = self._emit_acc_step(op, t, loop_env, t in alpha_needed)
+            elif t in self.acc_dots.values():  # computed by its accumulator's MMA
+                continue
             elif phases[t] in ("loop", "both"):
                 loop_env[t] = self._emit_op(op, t, loop_env, 2, "")
         if not any(phases[t] in ("loop", "both") for t in range(len(self.tiles))):
@@ -859,32 +885,14 @@ class _Gen:
 
     def _emit_matmul(self, op: Op, t: int, ins: list[_Val], name: str, depth: int) -> _Val:
         a, b = ins
+        if t in self.dot_ops:
+            self.emit(f"{name} = {self._dot_expr(op, t, ins)}", depth)
+            return _Val(name, self.kept(t), a.zero and b.zero)
         ia, ib = op.inputs
         sb = self.tiles[ib].shape
         trans = bool(op.attr("trans_b"))
+        am, bm = self._matmul_operands(op, ins)
         ck = self.bd.cls[ia][-1]
-        am = self.masked(a, ia, (ck,), "0.0") if ck is not None else a.name
-        bm = b.name
-        if ck is not None and not b.zero:
-            bm = self.masked(b, ib, (ck,), "0.0")
-        if t in self.dot_ops:
-            prec = self.params.dot_precision
-            if prec == "auto":
-                prec = "tf32" if self.low else "ieee"
-            kw = ""
-            if self.dot_native:
-                low = TL_DTYPES[self.low]
-                am = am if a.raw else f"({am}).to({low})"
-                bm = bm if b.raw else f"({bm}).to({low})"
-            else:
-                kw = f', input_precision="{"ieee" if prec == "input" else prec}"'
-            b_nk = trans and ib not in self.load_transposed  # b holds [N, K]
-            if t in self.swap_dots:  # (A @ B)^T = B^T @ A^T: the weight's columns are the MMA's M side
-                bt = bm if b_nk else f"tl.trans({bm})"
-                self.emit(f"{name} = tl.trans(tl.dot({bt}, tl.trans({am}){kw}))", depth)
-            else:
-                self.emit(f"{name} = tl.dot({am}, {f'tl.trans({bm})' if b_nk else bm}{kw})", depth)
-            return _Val(name, self.kept(t), a.zero and b.zero)
         cb = self.bd.cls[ib]
         nb = len(sb) - 2 if trans else len(sb) - 1
         batch = tuple(c for c in self.bd.cls[ia][:-2] if c is not None)
@@ -898,6 +906,41 @@ class _Gen:
         else:
             self.emit(f"{name} = tl.sum({ea} * {eb}, axis={prod.index(ck)})", depth)
         return _Val(name, self.kept(t), a.zero and b.zero)
+
+    def _matmul_operands(self, op: Op, ins: list[_Val]) -> tuple[str, str]:
+        """The operands of a tile matmul with padding (and invalid positions) of the contracted dim zeroed."""
+        a, b = ins
+        ia, ib = op.inputs
+        ck = self.bd.cls[ia][-1]
+        am = self.masked(a, ia, (ck,), "0.0") if ck is not None else a.name
+        bm = b.name
+        if ck is not None and not b.zero:
+            bm = self.masked(b, ib, (ck,), "0.0")
+        return am, bm
+
+    def _dot_expr(self, op: Op, t: int, ins: list[_Val], acc: str | None = None) -> str:
+        """``tl.dot`` of matmul ``t``; with ``acc``, accumulating into it (for a swapped dot ``acc``
+        and the result are transposed: [N, M])."""
+        a, b = ins
+        ib = op.inputs[1]
+        am, bm = self._matmul_operands(op, ins)
+        prec = self.params.dot_precision
+        if prec == "auto":
+            prec = "tf32" if self.low else "ieee"
+        kw = ""
+        if self.dot_native:
+            low = TL_DTYPES[self.low]
+            am = am if a.raw else f"({am}).to({low})"
+            bm = bm if b.raw else f"({bm}).to({low})"
+        else:
+            kw = f', input_precision="{"ieee" if prec == "input" else prec}"'
+        b_nk = bool(op.attr("trans_b")) and ib not in self.load_transposed  # b holds [N, K]
+        acc_arg = f", {acc}" if acc is not None else ""
+        if t in self.swap_dots:  # (A @ B)^T = B^T @ A^T: the weight's columns are the MMA's M side
+            bt = bm if b_nk else f"tl.trans({bm})"
+            dot = f"tl.dot({bt}, tl.trans({am}){acc_arg}{kw})"
+            return dot if acc is not None else f"tl.trans({dot})"
+        return f"tl.dot({am}, {f'tl.trans({bm})' if b_nk else bm}{acc_arg}{kw})"
 
     def _sum_to(self, x: _Val, src: int, t: int, size: int) -> str:
         """Strided sum of the last dim down to ``size``: out[c] = sum_k x[c + size*k]."""
@@ -926,14 +969,30 @@ class _Gen:
     # ---- accumulators --------------------------------------------------------------------
     def _emit_acc_init(self, t: int) -> None:
         op = self.block.ops[t - self.n_in]
-        shape = self.shape_of(self.classes(t, self.kept(t)))
+        shape = self.shape_of(self._acc_classes(t))
         if op.attr("fn") == "max_last":
             self.emit(f'mx{t} = tl.full({shape}, float("-inf"), tl.float32)')
         else:
             self.emit(f"acc{t} = tl.zeros({shape}, tl.float32)")
 
+    def _acc_classes(self, t: int) -> tuple[int, ...]:
+        """Register classes of accumulator ``t``: reversed where it is a swapped dot's MMA accumulator."""
+        cls = self.classes(t, self.kept(t))
+        return cls[::-1] if self.acc_dots.get(t) in self.swap_dots else cls
+
     def _emit_acc_step(self, op: Op, t: int, env: dict[int, _Val], need_alpha: bool) -> _Val:
         fn = op.attr("fn")
+        if t in self.acc_dots:  # the MMA accumulates: acc = dot(a, b, acc), rescaled first where the sum is
+            mt = self.acc_dots[t]
+            mop = self.block.ops[mt - self.n_in]
+            ins = [env[x] if x in self.load_transposed else self.natural(env[x], x) for x in mop.inputs]
+            acc = f"acc{t}"
+            if fn.startswith("rescaled"):
+                at = op.inputs[1]
+                acc += f" * {self.expand(_Val(f'alpha{at}', self.kept(at), False), at, self._acc_classes(t))}"
+            self.emit(f"acc{t} = {self._dot_expr(mop, mt, ins, acc)}", 2)
+            dims = self.kept(t)
+            return _Val(f"acc{t}", dims[::-1] if mt in self.swap_dots else dims, False)
         src = op.inputs[0]
         x = self.natural(env[src], src)
         last = len(self.tiles[src].shape) - 1
@@ -983,6 +1042,8 @@ class _Gen:
                 expr = f"tl.sqrt({expr})"
             self.emit(f"t{t} = {expr}")
             return _Val(f"t{t}", self.kept(t), zero)
+        if self.acc_dots.get(t) in self.swap_dots:
+            self.emit(f"acc{t} = tl.trans(acc{t})")
         return _Val(f"acc{t}", self.kept(t), zero)
 
 
