@@ -16,14 +16,18 @@ from mirage_serve.tune import search, space
 def test_initial_params_follow_the_rows_of_the_tile_matmuls():
     dot = {"matmul": "dot", "dot_precision": "input", "num_stages": 3}
     swapped = {**dot, "dot_swap": 1}
-    assert space.initial_params(fused_rmsnorm_linear(1, 4096, 6144, 768, 4, dtype="bfloat16")) == [{"matmul": "fma"}, swapped]
+    acc = {"dot_acc": 1}  # every loop here sums its tile matmul: the dot points also accumulate in the MMA
+    assert space.initial_params(fused_rmsnorm_linear(1, 4096, 6144, 768, 4, dtype="bfloat16")) == [{"matmul": "fma"}, swapped, {**swapped, **acc}]
     assert space.initial_params(fused_rmsnorm_linear(1, 64, 32, 2, 2)) == [{"matmul": "fma"}]  # float32: no 16-bit MMA
     b8 = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 32, dtype="bfloat16"))  # 8 x 16 x 128 product fits
-    assert b8 == [{"matmul": "fma"}, dot, swapped]
+    assert b8 == [{"matmul": "fma"}, dot, swapped, {**dot, **acc}, {**swapped, **acc}]
     big = space.initial_params(split_kv_attention(1, 32, 8, 128, 8192, 32, 4, dtype="bfloat16"))  # 4 x 64 x 128 would spill
     # two kernels: launches overlap; no swapped MMA into softmax's max; partials and combine also as one launch
-    assert big == [{**dot, "pdl": 1}, {**dot, "pdl": 1, "fused_combine": 1}]
-    assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2))[-1] == {"matmul": "dot", "num_stages": 3, "dot_swap": 1}
+    plain = [{**dot, "pdl": 1}, {**dot, **acc, "pdl": 1}]
+    assert big == plain + [{**p, "fused_combine": 1} for p in plain]
+    assert space.initial_params(fused_rmsnorm_linear(8, 64, 32, 2, 2))[-1] == {"matmul": "dot", "num_stages": 3, "dot_swap": 1, **acc}
+    one_iteration = space.initial_params(fused_rmsnorm_linear(8, 4096, 6144, 384, 1, dtype="bfloat16"))
+    assert not any("dot_acc" in p for p in one_iteration)  # nothing to keep in flight without a loop
 
 
 def test_neighbours_change_one_knob_each_and_only_where_it_matters():
@@ -35,6 +39,8 @@ def test_neighbours_change_one_knob_each_and_only_where_it_matters():
     assert not any("pdl" in q for q in n1) and any(q.get("pdl") == 1 for q in n2)
     assert any(q.get("dot_swap") == 1 for q in n1) and any(q.get("num_warps") == 8 for q in n1)
     assert not any("dot_swap" in q for q in space.neighbours(one, {"matmul": "fma"}))
+    assert {"dot_acc": 1} in [{k: v for k, v in q.items() if base.get(k) != v} for q in n1]
+    assert not any("dot_acc" in q for q in space.neighbours(one, {"matmul": "fma"}))
     for q in n1 + n2:
         CodegenParams(**q)  # every neighbour is a valid parameter set
     assert space.merge(base, [{**base, "num_warps": 8}, {**base, "pdl": 1}]) == {**base, "num_warps": 8, "pdl": 1}

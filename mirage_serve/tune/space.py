@@ -30,6 +30,13 @@ follows from a few features of the graph, never from the benchmark case:
   with ``late_ext_mask=2`` (2026-12-04 H200: 5.2 -> 4.8 µs at KV 1k, 9.5 -> 8.2 at 4k); with
   several iterations the read is hidden behind the first and zeroing V each iteration cost more
   than it saved (8k: 14.1 against 13.6), so there only the neighbours try it (1 and 2).
+* **the MMA's own accumulator.** Where a loop's tile matmul is read only by a sum accumulator
+  (``summed_matmul``), every first-round dot point is also tried with ``dot_acc=1``
+  (``acc = tl.dot(a, b, acc)``): with both operands streamed straight from memory into the MMA (a
+  plain tiled matmul), Triton then keeps the MMA in flight across iterations instead of waiting for
+  it in each one (sm_90 TTGIR: ``warp_group_dot_wait {pendings = 1}`` against 0); where an operand
+  passes through registers first (the one-kernel RMSNorm, whose X is scaled in the loop) it waits
+  either way. The neighbours turn it on or off.
 * **neighbours** of a (graph, params) point change one knob each: warps 2↔4↔8,
   software-pipelining depth (2-5 stages), programmatic dependent launch for graphs of more
   than one kernel, the swapped MMA orientation for dots, a split of the loop
@@ -76,6 +83,7 @@ def graph_features(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...
 
     return {"matmul_rows": rows, "fma_product": prod, "kernels": kernels, "max_loop": max(loops, default=1), "low_precision": low,
             "dot_into_max": any(_dot_into_max(op.block) for op in graph.ops if op.kind == "customized"),
+            "summed_matmul": any(_summed_matmul(op.block) for op in graph.ops if op.kind == "customized"),
             "fusable_combine": kernels == 2 and fusable_combine(graph)[0] is not None, "variable_loop": var_loop}
 
 
@@ -90,6 +98,24 @@ def _dot_into_max(block) -> bool:
             if (op.kind == "reduce" and op.attr("fn") == "max") or (op.kind == "accum" and op.attr("fn") == "max_last"):
                 if op.kind != "matmul":
                     return True
+    return False
+
+
+def _summed_matmul(block) -> bool:
+    """Whether a loop's tile matmul is read only by a sum accumulator (where ``dot_acc`` can apply)."""
+    if block.forloop_range <= 1:
+        return False
+    n_in = len(block.inputs)
+    readers: dict[int, list] = {}
+    for op in block.ops:
+        for x in op.inputs:
+            readers.setdefault(x, []).append(op)
+    outputs = {bo.tensor for bo in block.outputs}
+    for j, op in enumerate(block.ops):
+        r = readers.get(n_in + j, [])
+        if (op.kind == "matmul" and n_in + j not in outputs and len(r) == 1 and r[0].kind == "accum"
+                and r[0].attr("fn") in ("sum", "rescaled_sum")):
+            return True
     return False
 
 
@@ -109,6 +135,8 @@ def initial_params(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...
         out = [{"matmul": "fma"}, *swapped] if f["low_precision"] else [{"matmul": "fma"}]
     else:
         out = ([{"matmul": "fma"}] if f["fma_product"] <= FMA_MAX_PRODUCT else []) + [dot, *swapped]
+    if f["summed_matmul"]:  # the MMA accumulating in place, which Triton can keep in flight across iterations
+        out += [{**p, "dot_acc": 1} for p in out if p.get("matmul") == "dot"]
     if f["kernels"] > 1:  # overlapping each launch with the kernel before it paid at every multi-kernel point of the 2026-12-03 run
         out = [{**p, "pdl": 1} for p in out]
     if f["fusable_combine"]:
@@ -142,6 +170,8 @@ def neighbours(graph: KernelGraph, params: dict[str, Any], variable_dims: tuple[
         with_(pdl=0 if p.get("pdl", 0) else 1)
     if p.get("matmul") == "dot" and (p.get("dot_swap", 0) or not f["dot_into_max"]):
         with_(dot_swap=0 if p.get("dot_swap", 0) else 1)
+    if f["summed_matmul"] and p.get("matmul") == "dot":
+        with_(dot_acc=0 if p.get("dot_acc", 0) else 1)
     if f["max_loop"] >= 1 and p.get("k_chunks", 1) == 1:
         with_(k_chunks=2)
     if f["fusable_combine"]:
@@ -163,4 +193,4 @@ def merge(base: dict[str, Any], better: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1, "fused_combine": 0, "late_ext_mask": 0}
+_DEFAULTS: dict[str, Any] = {"num_warps": 4, "num_stages": 2, "pdl": 0, "dot_swap": 0, "k_chunks": 1, "fused_combine": 0, "late_ext_mask": 0, "dot_acc": 0}
