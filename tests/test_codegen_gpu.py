@@ -10,6 +10,7 @@ import torch
 from codegen_graphs import split_k_rmsnorm_linear, two_kernel_add_rmsnorm_linear
 from handwritten import fused_gated_mlp, fused_lora, fused_rmsnorm_linear, split_kv_attention
 
+from mirage_serve import cmd_bench
 from mirage_serve.codegen import CodegenParams, compile_graph
 from mirage_serve.reference import execute, random_inputs
 from mirage_serve.specs import build_spec
@@ -27,6 +28,7 @@ GRAPHS = {
     "gated_mlp": lambda dt: fused_gated_mlp(4, 512, 512, n_blocks=16, loop=4, dtype=dt),
     "split_k": lambda dt: split_k_rmsnorm_linear(4, 1024, 512, n_blocks=16, splits=4, loop=2, dtype=dt),
     "two_kernel": lambda dt: two_kernel_add_rmsnorm_linear(8, 1024, 512, n_blocks=16, loop=4, dtype=dt),
+    "norm_then_linear": lambda dt: cmd_bench.load_bench("kernels").V.norm_then_linear(32, 1024, 480, n_blocks=10, loop=4, norm_blocks=8, dtype=dt),
 }
 
 
@@ -35,6 +37,8 @@ PARAMS = {
     "dot-native": CodegenParams(matmul="dot", dot_precision="input", num_warps=8, num_stages=3),
     "dot-swap-pdl": CodegenParams(matmul="dot", dot_precision="input", dot_swap=1, pdl=1),
     "chunks": CodegenParams(k_chunks=2, num_stages=3),
+    "dot-acc": CodegenParams(matmul="dot", dot_precision="input", dot_acc=1, num_stages=4, pdl=1),
+    "dot-swap-acc": CodegenParams(matmul="dot", dot_precision="input", dot_swap=1, dot_acc=1, num_stages=4, pdl=1),
 }
 
 
