@@ -290,22 +290,51 @@ def attention(kv: int, reps: int) -> dict:
     return res
 
 
-def qkv(reps: int, points=QKV_POINTS) -> dict:
-    import kernels as K
+def rmsnorm_inputs(dims: dict, seed: int):
+    """RMSNorm->Linear at ``dims`` in bf16 on the GPU: (spec, timing sets defeating the L2, two check
+    sets (the first timing set and a fresh draw), their float64 references)."""
     import torch
 
     from mirage_serve.reference import execute
     from mirage_serve.specs import build_spec
     from mirage_serve.tune.cost_model import floor_bytes
     from mirage_serve.tune.profile import random_device_inputs
-    from mirage_serve.tune.timing import relative_error, sets_for, time_calls
+    from mirage_serve.tune.timing import sets_for
 
-    dims = {"batch": 32, "hidden": 4096, "out": 6144}
     spec = build_spec("rmsnorm_linear", dims, dtype="bfloat16")
-    gen = torch.Generator(device="cuda").manual_seed(32)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     sets = [random_device_inputs(spec, "cuda", gen) for _ in range(sets_for(floor_bytes(spec)))]
     checks = [sets[0], random_device_inputs(spec, "cuda", gen)]
     refs = [execute(spec, s, dtype=torch.float64)[0] for s in checks]
+    return spec, sets, checks, refs
+
+
+def stock_contender(case, spec, stock: dict, sets: list, cname: str, reps: int) -> dict:
+    """One stock contender of ``kernels.py`` (``stock``: its ``_stock_contenders``) float-checked on the
+    first two input sets and timed under CUDA-graph replays over all of them."""
+    import kernels as K
+    import torch
+
+    from mirage_serve.tune.timing import relative_error, time_calls
+
+    fn_or_list, arg_sets, kind = stock[cname]
+    fn, args = K._per_set(fn_or_list, arg_sets)
+    errs = [relative_error(fn(*args[i]), K._reference(case, spec, sets[i], kind)) for i in range(2)]
+    torch.cuda.synchronize()
+    t = time_calls(fn, args, cuda_graph=True, reps=reps)
+    out = {"label": cname, "rel_err": max(errs), "passed": max(errs) <= 2e-2, "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us}
+    print(f"  {t.median_us:7.2f} us  err {max(errs):.1e}  {cname}", flush=True)
+    return out
+
+
+def qkv(reps: int, points=QKV_POINTS) -> dict:
+    import kernels as K
+
+    from mirage_serve.tune.cost_model import floor_bytes
+    from mirage_serve.tune.timing import relative_error
+
+    dims = {"batch": 32, "hidden": 4096, "out": 6144}
+    spec, sets, checks, refs = rmsnorm_inputs(dims, 32)
     cands = {c.name: c for c in V.candidates_for("rmsnorm_linear", dims, "bfloat16")}
     res: dict = {"floor_us": floor_bytes(spec) / 4.25e12 * 1e6, "points": []}
     chk = lambda outs, i: relative_error(outs[0], refs[i])
@@ -313,16 +342,7 @@ def qkv(reps: int, points=QKV_POINTS) -> dict:
         res["points"].append(measure(name, cands[name].graph, p, checks, chk, sets, reps))
     case = K.Case("rmsnorm_linear", dims, "qkv b32")
     stock = K._stock_contenders(case, sets)
-
-    def contender(cname: str, r: int) -> dict:
-        fn_or_list, arg_sets, kind = stock[cname]
-        fn, args = K._per_set(fn_or_list, arg_sets)
-        errs = [relative_error(fn(*args[i]), K._reference(case, spec, sets[i], kind)) for i in range(2)]
-        torch.cuda.synchronize()
-        t = time_calls(fn, args, cuda_graph=True, reps=r)
-        out = {"label": cname, "rel_err": max(errs), "passed": max(errs) <= 2e-2, "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us}
-        print(f"  {t.median_us:7.2f} us  err {max(errs):.1e}  {cname}", flush=True)
-        return out
+    contender = lambda cname, r: stock_contender(case, spec, stock, sets, cname, r)
 
     ok = [r for r in res["points"] if r.get("median_us")]
     best = min(ok, key=lambda r: r["median_us"])

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import variants as V  # noqa: E402
-from goal_probe import measure  # noqa: E402
+from goal_probe import measure, rmsnorm_inputs, stock_contender  # noqa: E402
 
 DOT = {"matmul": "dot", "dot_precision": "input", "dot_swap": 1}
 ACC = {"dot_acc": 1}
@@ -66,19 +66,12 @@ def run_case(label: str, reps: int) -> dict:
     import kernels as K
     import torch
 
-    from mirage_serve.reference import execute
-    from mirage_serve.specs import build_spec
     from mirage_serve.tune.cost_model import floor_bytes
-    from mirage_serve.tune.profile import random_device_inputs
-    from mirage_serve.tune.timing import relative_error, sets_for, time_calls
+    from mirage_serve.tune.timing import relative_error
 
     batch, out, points = CASES[label]
     dims = {"batch": batch, "hidden": 4096, "out": out}
-    spec = build_spec("rmsnorm_linear", dims, dtype="bfloat16")
-    gen = torch.Generator(device="cuda").manual_seed(batch + out)
-    sets = [random_device_inputs(spec, "cuda", gen) for _ in range(sets_for(floor_bytes(spec)))]
-    checks = [sets[0], random_device_inputs(spec, "cuda", gen)]
-    refs = [execute(spec, s, dtype=torch.float64)[0] for s in checks]
+    spec, sets, checks, refs = rmsnorm_inputs(dims, batch + out)
     cands = _cands(batch, out)
     res: dict = {"dims": dims, "floor_us": floor_bytes(spec) / 4.25e12 * 1e6, "points": []}
     chk = lambda outs, i: relative_error(outs[0], refs[i])
@@ -86,16 +79,7 @@ def run_case(label: str, reps: int) -> dict:
         res["points"].append(measure(name, cands[name].graph, p, checks, chk, sets, reps))
     case = K.Case("rmsnorm_linear", dims, label)
     stock = K._stock_contenders(case, sets)
-
-    def contender(cname: str, r: int) -> dict:
-        fn_or_list, arg_sets, kind = stock[cname]
-        fn, args = K._per_set(fn_or_list, arg_sets)
-        errs = [relative_error(fn(*args[i]), K._reference(case, spec, sets[i], kind)) for i in range(2)]
-        torch.cuda.synchronize()
-        t = time_calls(fn, args, cuda_graph=True, reps=r)
-        o = {"label": cname, "rel_err": max(errs), "passed": max(errs) <= 2e-2, "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us}
-        print(f"  {t.median_us:7.2f} us  err {max(errs):.1e}  {cname}", flush=True)
-        return o
+    contender = lambda cname, r: stock_contender(case, spec, stock, sets, cname, r)
 
     ok = [r for r in res["points"][1:] if r.get("median_us")]
     best = min(ok, key=lambda r: r["median_us"]) if ok else None
