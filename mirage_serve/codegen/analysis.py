@@ -169,6 +169,26 @@ class BlockDims:
     size: tuple[int, ...]
 
 
+def summed_matmuls(block: BlockGraph) -> dict[int, int]:
+    """Sum accumulators (plain or rescaled) -> the tile matmul each one sums, where that matmul is not a
+    block output and has no other reader: where the MMA can accumulate in place (``dot_acc``)."""
+    n_in = len(block.inputs)
+    readers: dict[int, list[int]] = {}
+    for j, op in enumerate(block.ops):
+        for x in op.inputs:
+            readers.setdefault(x, []).append(n_in + j)
+    outputs = {bo.tensor for bo in block.outputs}
+    out: dict[int, int] = {}
+    for j, op in enumerate(block.ops):
+        u = n_in + j
+        if op.kind != "accum" or op.attr("fn") not in ("sum", "rescaled_sum"):
+            continue
+        t = op.inputs[0]
+        if t >= n_in and block.ops[t - n_in].kind == "matmul" and readers.get(t) == [u] and t not in outputs:
+            out[u] = t
+    return out
+
+
 def block_dims(block: BlockGraph, arg_infos: list[TensorInfo]) -> BlockDims:
     """Classes of tile dims of ``block`` read from kernel tensors ``arg_infos``."""
     tiles = block_tile_infos(block, arg_infos)

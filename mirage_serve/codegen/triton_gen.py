@@ -32,7 +32,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mirage_serve.codegen.analysis import block_dims
+from mirage_serve.codegen.analysis import block_dims, summed_matmuls
 from mirage_serve.codegen.params import CodegenError, CodegenParams
 from mirage_serve.mugraph.graph import MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo
@@ -290,27 +290,15 @@ class _Gen:
                 self.raw_loads.add(t)
 
     def _plan_acc_dots(self) -> dict[int, int]:
-        """``dot_acc``: sum accumulators (plain or rescaled) -> the tensor-core matmul each one sums, where
-        that matmul runs in the loop, has no other reader and no variable-extent dim to mask: the
-        accumulator is then the MMA's own (``acc = tl.dot(a, b, acc)``), in the MMA's orientation."""
+        """``dot_acc``: the :func:`~mirage_serve.codegen.analysis.summed_matmuls` on the tensor cores that run
+        in the loop, with no variable-extent dim to mask: the accumulator is then the MMA's own
+        (``acc = tl.dot(a, b, acc)``), in the MMA's orientation."""
         if not self.params.dot_acc:
             return {}
-        readers: dict[int, list[int]] = {}
-        for j, op in enumerate(self.block.ops):
-            for x in op.inputs:
-                readers.setdefault(x, []).append(self.n_in + j)
-        outputs = {bo.tensor for bo in self.block.outputs}
-        out: dict[int, int] = {}
-        for j, op in enumerate(self.block.ops):
-            u = self.n_in + j
-            if op.kind != "accum" or op.attr("fn") not in ("sum", "rescaled_sum"):
-                continue
-            t = op.inputs[0]
-            if (t in self.dot_ops and readers.get(t) == [u] and t not in outputs and self.tiles[t].phase == "loop"
-                    and self.classes(t, self.kept(t)) == self.classes(u, self.kept(u)) and len(self.kept(t)) == 2
-                    and not any(c in self.dyn for c in self.bd.cls[t] if c is not None)):
-                out[u] = t
-        return out
+        return {u: t for u, t in summed_matmuls(self.block).items()
+                if t in self.dot_ops and self.tiles[t].phase == "loop" and len(self.kept(t)) == 2
+                and self.classes(t, self.kept(t)) == self.classes(u, self.kept(u))
+                and not any(c in self.dyn for c in self.bd.cls[t] if c is not None)}
 
     def _dots_into_max(self) -> set[int]:
         """Tile matmuls whose result a max reduction or running max reads, directly or through other ops."""

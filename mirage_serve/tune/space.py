@@ -103,20 +103,9 @@ def _dot_into_max(block) -> bool:
 
 def _summed_matmul(block) -> bool:
     """Whether a loop's tile matmul is read only by a sum accumulator (where ``dot_acc`` can apply)."""
-    if block.forloop_range <= 1:
-        return False
-    n_in = len(block.inputs)
-    readers: dict[int, list] = {}
-    for op in block.ops:
-        for x in op.inputs:
-            readers.setdefault(x, []).append(op)
-    outputs = {bo.tensor for bo in block.outputs}
-    for j, op in enumerate(block.ops):
-        r = readers.get(n_in + j, [])
-        if (op.kind == "matmul" and n_in + j not in outputs and len(r) == 1 and r[0].kind == "accum"
-                and r[0].attr("fn") in ("sum", "rescaled_sum")):
-            return True
-    return False
+    from mirage_serve.codegen.analysis import summed_matmuls
+
+    return block.forloop_range > 1 and bool(summed_matmuls(block))
 
 
 #: Elements of a GEMV-style broadcast product (rows x columns x inner) above which fma code
