@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's work on a lent H200, in order: `tests` (GPU codegen tests), `kernels` (the
 # kernel table, parameters tuned in the run), `norm` (the RMSNorm->Linear schedules side by side,
-# benchmarks/norm_probe.py), `e2e` (end-to-end decode). Writes logs and results
-# under $OUT. Usage: bash benchmarks/h200_run.sh tests kernels [norm] [e2e] -- [extra kernels.py args]
+# benchmarks/norm_probe.py), `ceiling` (decode attention's streaming bound, benchmarks/attn_ceiling.py),
+# `e2e` (end-to-end decode). Writes logs and results
+# under $OUT. Usage: bash benchmarks/h200_run.sh tests kernels [norm] [ceiling] [e2e] -- [extra kernels.py args]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +20,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests) timeout 150 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_codegen_gpu.py tests/test_tune_profile.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.log" ;;
     kernels) python3 benchmarks/kernels.py --out "$OUT" "${extra[@]}" 2>&1 | grep -v "^|\|^$\|^<\|^#\|^- " | tee "$OUT/kernels.log" | tail -40 ;;
+    ceiling) timeout ${CEILING_TIMEOUT:-300} python3 benchmarks/attn_ceiling.py --out "$OUT" 2>&1 | grep -v -i warning > "$OUT/attn-ceiling.log"; tail -16 "$OUT/attn-ceiling.log" ;;
     norm) timeout ${NORM_TIMEOUT:-200} python3 benchmarks/norm_probe.py --out "$OUT" 2>&1 | grep -v -i warning > "$OUT/norm-probe.log"; tail -6 "$OUT/norm-probe.log" ;;
     e2e) tuned=${TUNED_FROM:-$(ls -t "$OUT"/kernels-*.json 2>/dev/null | head -1)}
          timeout ${E2E_TIMEOUT:-300} python3 benchmarks/e2e.py --out "$OUT" ${tuned:+--tuned-from "$tuned"} 2>&1 | grep -v Warning | tee "$OUT/e2e.log" | tail -30 ;;
