@@ -28,7 +28,7 @@ GRAPHS = {
     "gated_mlp": lambda dt: fused_gated_mlp(4, 512, 512, n_blocks=16, loop=4, dtype=dt),
     "split_k": lambda dt: split_k_rmsnorm_linear(4, 1024, 512, n_blocks=16, splits=4, loop=2, dtype=dt),
     "two_kernel": lambda dt: two_kernel_add_rmsnorm_linear(8, 1024, 512, n_blocks=16, loop=4, dtype=dt),
-    "norm_then_linear": lambda dt: cmd_bench.load_bench("kernels").V.norm_then_linear(32, 1024, 480, n_blocks=10, loop=4, norm_blocks=8, dtype=dt),
+    "norm_then_linear": lambda dt: cmd_bench.load_bench("kernels").V.norm_then_linear(32, 1024, 480, n_blocks=10, loop=8, norm_blocks=8, dtype=dt),
 }
 
 
