@@ -12,7 +12,8 @@ Three hand-written kernel families, written for this measurement only (not shipp
 
 Each is timed like ``kernels.py`` times (CUDA-graph replays of a rotation over enough input sets to
 defeat the L2; median per call, plain launches), next to codegen's partials kernel alone and its full
-two-kernel graph at the 2026-12-04 best schedules and SDPA+graph. ``attn`` points are float-checked
+two-kernel graph at the 2026-12-04 best schedules, SDPA+graph and, where flashinfer imports,
+FlashInfer's ``single_decode_with_kv_cache`` under a graph. ``attn`` points are float-checked
 (partials combined in float64 against the float64 reference, outputs NaN-poisoned first); ``read``
 against a float64 sum.
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attn_sweep as A  # noqa: E402
 import goal_probe as G  # noqa: E402
+import kernels as K  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -194,6 +196,14 @@ def main() -> int:
                           "partials": G.measure(f"partials {name}", G.partials_graph(kv, name), pp, case.check_sets,
                                                 lambda outs, i, case=case: _rel(outs, case, i), case.sets, args.reps, A.V.ATTENTION_VARIABLE_DIMS)}
         res["sdpa_graph"] = A.sdpa_point(case, args.reps)
+        fi = K._flashinfer_decode(case.dims, 1.0 / math.sqrt(A.HEAD_DIM))
+        if fi is not None:
+            try:
+                res["flashinfer_graph"] = A.sdpa_point(case, args.reps, fi, "flashinfer_graph")
+                print(f"  {res['flashinfer_graph']['median_us']:7.2f} us  FlashInfer+graph KV {kv}", flush=True)
+            except Exception as e:  # JIT or launch failure: recorded, the rest of the run goes on
+                res["flashinfer_graph"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  FlashInfer failed: {res['flashinfer_graph']['error']}", flush=True)
         print(f"  {res['codegen']['full'].get('median_us', float('nan')):7.2f} us  codegen full {name}; SDPA+graph {res['sdpa_graph']['median_us']:.2f}",
               flush=True)
         out_path.write_text(json.dumps(report, indent=1, default=str))

@@ -143,7 +143,8 @@ def time_point(case: Case, name: str, params: dict, reps: int, graph=None) -> di
     return r
 
 
-def sdpa_point(case: Case, reps: int) -> dict:
+def sdpa_point(case: Case, reps: int, fn=None, name: str = "sdpa_graph") -> dict:
+    """SDPA (or ``fn(q, k, v)`` over the same 4-D views, e.g. FlashInfer's) under a CUDA graph, float-checked."""
     import torch
     import torch.nn.functional as F
 
@@ -155,11 +156,12 @@ def sdpa_point(case: Case, reps: int) -> dict:
     def view(s):
         return s[0].view(1, Q_HEADS, 1, dh), s[1].view(1, KV_HEADS, L, dh), s[2].view(1, KV_HEADS, L, dh)
 
-    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if fn is None:
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     errs = [relative_error(fn(*view(s)).reshape(ref.shape), ref) for s, ref in zip(case.check_sets, case.refs, strict=True)]
     torch.cuda.synchronize()
     t = time_calls(fn, [view(s) for s in case.sets], cuda_graph=True, reps=reps)
-    return {"name": "sdpa_graph", "rel_err": max(errs), "passed": max(errs) <= 2e-2, "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us}
+    return {"name": name, "rel_err": max(errs), "passed": max(errs) <= 2e-2, "median_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us}
 
 
 def precompile(points: list[tuple[int, str, dict]], workers: int) -> None:

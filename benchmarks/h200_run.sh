@@ -14,7 +14,11 @@ while [ $# -gt 0 ]; do
   steps+=("$1"); shift
 done
 start=$(date +%s)
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)'; nproc; } 2>&1 | tee "$OUT/env.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried peer wheels (benchmarks/peer_wheels.sh): FlashInfer for the flashinfer_graph contender
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
+fi
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)'; python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)'; nproc; } 2>&1 | tee "$OUT/env.txt"
 for s in "${steps[@]}"; do
   echo "=== $s at +$(( $(date +%s) - start ))s"
   case $s in

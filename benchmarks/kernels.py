@@ -12,7 +12,9 @@ enough input sets to keep weights and KV out of L2:
   transformers' eager attention, or an ``nn.Linear`` LoRA / gated MLP), eager
   and under a CUDA graph; ``torch.compile`` (default, and
   ``max-autotune-no-cudagraphs`` where asked) under a CUDA graph; cuBLAS's
-  linear alone under a CUDA graph;
+  linear alone under a CUDA graph; FlashInfer's decode attention under a CUDA
+  graph where ``flashinfer`` imports (on the GPU machine: the wheels of
+  ``benchmarks/peer_wheels.sh``, carried);
 * the floor: the spec's bytes (inputs once, outputs once) at the measured copy bandwidth.
 
 Usage: ``python benchmarks/kernels.py --dry-run`` lists the plan (no GPU
@@ -58,6 +60,7 @@ CONTENDERS = {
     "sdpa": ("attention_decode",),
     "sdpa_graph": ("attention_decode",),
     "hf_eager_attn_graph": ("attention_decode",),
+    "flashinfer_graph": ("attention_decode",),  # where flashinfer imports (benchmarks/peer_wheels.sh carries it to the GPU)
 }
 
 
@@ -209,7 +212,33 @@ def _stock_contenders(case: Case, sets: list[list[Any]]):
         module = SimpleNamespace(num_key_value_groups=d["q_heads"] // d["kv_heads"], training=False)
         hf = lambda q, k, v: eager_attention_forward(module, q, k, v, None, scaling=scale, dropout=0.0)[0].transpose(1, 2)
         out["hf_eager_attn_graph"] = (hf, views, "attn4d")
+        fi = _flashinfer_decode(d, scale)
+        if fi is not None:
+            out["flashinfer_graph"] = (fi, views, "attn4d")
     return out
+
+
+def _flashinfer_decode(d: dict[str, int], scale: float):
+    """FlashInfer's decode attention over the same K/V tensors (its ``HND`` layout: [KV heads, length, head dim]
+    a sequence), or None where flashinfer does not import. Batch 1: ``single_decode_with_kv_cache``; larger
+    batches: ``BatchDecodeWithPagedKVCacheWrapper`` with one page a sequence, planned once outside the timed graph."""
+    try:
+        import flashinfer
+    except Exception as e:  # not installed here: the contender is left out, and the log says why
+        log.info("flashinfer contender left out: %s", e)
+        return None
+    import torch
+
+    b, hq, hk, L, dh = d["batch"], d["q_heads"], d["kv_heads"], d["kv_len"], d["head_dim"]
+    if b == 1:
+        return lambda q, k, v: flashinfer.single_decode_with_kv_cache(
+            q.view(hq, dh), k.view(hk, L, dh), v.view(hk, L, dh), kv_layout="HND", sm_scale=scale).view(1, hq, 1, dh)
+    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND")
+    i32 = dict(dtype=torch.int32, device="cuda")
+    wrapper.plan(torch.arange(b + 1, **i32), torch.arange(b, **i32), torch.full((b,), L, **i32), hq, hk, dh, L,
+                 q_data_type=_torch_dtype(), kv_data_type=_torch_dtype(), sm_scale=scale)
+    return lambda q, k, v: wrapper.run(q.view(b, hq, dh), (k.view(b, hk, L, dh), v.view(b, hk, L, dh))).view(b, hq, 1, dh)
 
 
 def _per_set(fn_or_list, arg_sets):
@@ -431,7 +460,8 @@ def environment(copy_bw: float) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- reports
 
-COLUMNS = ["ours", "eager", "eager_graph", "compile_graph", "compile_max_graph", "cublas_graph", "sdpa", "sdpa_graph", "hf_eager_attn_graph"]
+COLUMNS = ["ours", "eager", "eager_graph", "compile_graph", "compile_max_graph", "cublas_graph", "sdpa", "sdpa_graph", "hf_eager_attn_graph",
+           "flashinfer_graph"]
 
 
 def _fmt(x: float | None) -> str:
