@@ -147,3 +147,12 @@ def test_rank_correlation_and_variant_tables():
     md = K.markdown({"environment": env, "cases": [r]})
     assert "| fused c8 k512 | {'num_warps': 4} | s | 61.0 | 60.0 | 3.0e-03 | ok |" in md
     assert "RuntimeError: boom" in md
+
+
+def test_flashinfer_contender_is_left_out_where_flashinfer_does_not_import(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
+    dims = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 1024}
+    assert K._flashinfer_decode(dims, 1.0) is None
+    assert "flashinfer_graph" in K.Case("attention_decode", dims, "attn").contenders()
