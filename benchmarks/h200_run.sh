@@ -3,7 +3,8 @@
 # kernel table, parameters tuned in the run), `norm` (the RMSNorm->Linear schedules side by side,
 # benchmarks/norm_probe.py), `ceiling` (decode attention's streaming bound, benchmarks/attn_ceiling.py),
 # `e2e` (end-to-end decode). Writes logs and results
-# under $OUT. Usage: bash benchmarks/h200_run.sh tests kernels [norm] [ceiling] [e2e] -- [extra kernels.py args]
+# under $OUT. Carried FlashInfer wheels (.whl/) are installed and its kernels compiled first
+# (benchmarks/flashinfer_warm.py, FI_TIMEOUT). Usage: bash benchmarks/h200_run.sh tests kernels [norm] [ceiling] [e2e] -- [extra kernels.py args]
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -17,6 +18,9 @@ start=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then  # carried peer wheels (benchmarks/peer_wheels.sh): FlashInfer for the flashinfer_graph contender
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
+  # compile FlashInfer's kernels before any step, under a limit; where that fails the steps leave it out
+  timeout ${FI_TIMEOUT:-240} python3 benchmarks/flashinfer_warm.py 2>&1 | grep -v -i warning | tail -20 | tee "$OUT/flashinfer-warm.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || export MIRAGE_BENCH_FLASHINFER=0
 fi
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)'; python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)'; nproc; } 2>&1 | tee "$OUT/env.txt"
 for s in "${steps[@]}"; do

@@ -220,8 +220,12 @@ def _stock_contenders(case: Case, sets: list[list[Any]]):
 
 def _flashinfer_decode(d: dict[str, int], scale: float):
     """FlashInfer's decode attention over the same K/V tensors (its ``HND`` layout: [KV heads, length, head dim]
-    a sequence), or None where flashinfer does not import. Batch 1: ``single_decode_with_kv_cache``; larger
+    a sequence), or None where flashinfer does not import or ``MIRAGE_BENCH_FLASHINFER=0`` (set by
+    ``h200_run.sh`` when its JIT warm-up failed or ran out of time). Batch 1: ``single_decode_with_kv_cache``; larger
     batches: ``BatchDecodeWithPagedKVCacheWrapper`` with one page a sequence, planned once outside the timed graph."""
+    if os.environ.get("MIRAGE_BENCH_FLASHINFER", "1") == "0":
+        log.info("flashinfer contender left out: MIRAGE_BENCH_FLASHINFER=0")
+        return None
     try:
         import flashinfer
     except Exception as e:  # not installed here: the contender is left out, and the log says why

@@ -156,3 +156,28 @@ def test_flashinfer_contender_is_left_out_where_flashinfer_does_not_import(monke
     dims = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 1024}
     assert K._flashinfer_decode(dims, 1.0) is None
     assert "flashinfer_graph" in K.Case("attention_decode", dims, "attn").contenders()
+
+
+def test_flashinfer_contender_is_left_out_when_switched_off(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("flashinfer")
+    fake.single_decode_with_kv_cache = lambda *a, **k: calls.append(a)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    dims = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 1024}
+    assert K._flashinfer_decode(dims, 1.0) is not None  # importable: offered
+    monkeypatch.setenv("MIRAGE_BENCH_FLASHINFER", "0")  # h200_run.sh sets it when the JIT warm-up failed
+    assert K._flashinfer_decode(dims, 1.0) is None
+    assert not calls
+
+
+def test_flashinfer_warm_reports_a_missing_flashinfer(monkeypatch, capsys):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    warm = importlib.import_module("flashinfer_warm")
+    assert warm.main([]) == 1
+    assert "does not import" in capsys.readouterr().out
