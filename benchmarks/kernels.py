@@ -558,7 +558,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=2, help="candidates whose parameters the tuner refines after the first round")
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)), help="processes compiling kernels in parallel")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tune-budget-s", type=float, default=300.0, help="start no tuning measurement after this many seconds (the table is then still measured)")
+    p.add_argument("--tune-budget-s", type=float, default=300.0, help="start no tuning round after the first, nor any of its measurements, after this many seconds (the first round and the table are always measured)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -79,6 +79,27 @@ def test_search_refines_the_leaders_and_merges_what_helped(monkeypatch):
     assert [t.time_us for t in res.ranked()][:1] == [best.time_us]
 
 
+def test_a_deadline_passed_while_compiling_still_measures_the_first_round(monkeypatch):
+    """Compiling round 1 may take longer than the whole budget: its points are still timed (the case
+    then has an answer), and no later round is proposed or compiled."""
+    from mirage_serve.tune import profile
+
+    calls = []
+
+    def fake(graph, params=None, **kw):
+        calls.append(dict(params or {}))
+        return profile.ProfileResult(True, 1e-3, 0.02, median_us=10.0 + len(calls))
+
+    monkeypatch.setattr(profile, "profile_candidate", fake)
+    cands = [search.Candidate(f"c{nb}", fused_rmsnorm_linear(8, 1024, 512, nb, 4, dtype="bfloat16")) for nb in (16, 32)]
+    compiled = _Compiled(1)
+    res = search.tune(cands, spec=None, device="cpu", top=2, precompiler=compiled, deadline=0.0)
+    first = [t for t in res.trials if t.round == 1]
+    assert first and len(calls) == len(first) and all(math.isfinite(t.time_us) for t in first)
+    assert res.best is not None and res.best.round == 1
+    assert not [t for t in res.trials if t.round > 1]
+
+
 def test_spilling_points_are_timed_only_without_a_spill_free_one(monkeypatch):
     from mirage_serve.tune import profile
 

@@ -267,8 +267,11 @@ class Tuner:
 
     def propose(self) -> list[Trial]:
         """The next round's trials: 1 = initial params of every candidate; 2 = neighbours of the
-        ``top`` best candidates' best points; 3 = merges of the neighbours that helped."""
+        ``top`` best candidates' best points; 3 = merges of the neighbours that helped. Past the
+        deadline no round after the first is proposed."""
         self.round += 1
+        if self.round > 1 and self._past_deadline():
+            return []
         if self.round == 1:
             return self._new(first_round(self.candidates))
         if self.round == 2:
@@ -288,10 +291,13 @@ class Tuner:
             return self._new(merged)
         return []
 
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
     def _measure_one(self, t: Trial) -> None:
         from mirage_serve.tune import profile
 
-        if self.deadline is not None and time.time() > self.deadline:
+        if t.round > 1 and self._past_deadline():  # the first round, every candidate's starting point, is always measured
             t.result = {"skipped": "time budget"}
         elif self.measurer is not None:
             t.result = self.measurer.measure(t, self.spec, self.reps)
@@ -342,7 +348,8 @@ def tune(
     """Search parameters for ``candidates`` (see the module docstring); fastest passing point first.
 
     ``precompiled``: round-1 trials whose compilation was already done; ``deadline``
-    (``time.time()``) stops starting new measurements."""
+    (``time.time()``) stops the search after its first round: every candidate's starting point is
+    measured however long compiling took, later rounds' points are not started past it."""
     pre = precompiler or Precompiler(1, device)
     tuner = Tuner(candidates, spec, device=device, reps=reps, top=top, deadline=deadline, on_trial=on_trial)
     if precompiled is not None:
