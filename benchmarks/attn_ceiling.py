@@ -193,14 +193,16 @@ def main() -> int:
         name, params = G.BREAKDOWN[kv]
         res["codegen"] = {"schedule": name, "params": params, "full": A.time_point(case, name, params, args.reps)}
         res["sdpa_graph"] = A.sdpa_point(case, args.reps)
-        fi = K._flashinfer_decode(case.dims, 1.0 / math.sqrt(A.HEAD_DIM))
-        if fi is not None:
+        for fname, tc in (("flashinfer_graph", False), ("flashinfer_tc_graph", True)):
             try:
-                res["flashinfer_graph"] = A.sdpa_point(case, args.reps, fi, "flashinfer_graph")
-                print(f"  {res['flashinfer_graph']['median_us']:7.2f} us  FlashInfer+graph KV {kv}", flush=True)
+                fi = K._flashinfer_decode(case.dims, 1.0 / math.sqrt(A.HEAD_DIM), tensor_cores=tc)
+                if fi is None:
+                    continue
+                res[fname] = A.sdpa_point(case, args.reps, fi[0], fname, prepare=fi[1])
+                print(f"  {res[fname]['median_us']:7.2f} us  {fname} KV {kv}", flush=True)
             except Exception as e:  # JIT or launch failure: recorded, the rest of the run goes on
-                res["flashinfer_graph"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(f"  FlashInfer failed: {res['flashinfer_graph']['error']}", flush=True)
+                res[fname] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  {fname} failed: {res[fname]['error']}", flush=True)
         print(f"  {res['codegen']['full'].get('median_us', float('nan')):7.2f} us  codegen full {name}; SDPA+graph {res['sdpa_graph']['median_us']:.2f}",
               flush=True)
         out_path.write_text(json.dumps(report, indent=1, default=str))

@@ -143,8 +143,9 @@ def time_point(case: Case, name: str, params: dict, reps: int, graph=None) -> di
     return r
 
 
-def sdpa_point(case: Case, reps: int, fn=None, name: str = "sdpa_graph") -> dict:
-    """SDPA (or ``fn(q, k, v)`` over the same 4-D views, e.g. FlashInfer's) under a CUDA graph, float-checked."""
+def sdpa_point(case: Case, reps: int, fn=None, name: str = "sdpa_graph", prepare=None) -> dict:
+    """SDPA (or ``fn(q, k, v)`` over the same 4-D views, or over what ``prepare(q, k, v)`` makes of them
+    before any timing, e.g. FlashInfer's paged cache) under a CUDA graph, float-checked."""
     import torch
     import torch.nn.functional as F
 
@@ -154,7 +155,8 @@ def sdpa_point(case: Case, reps: int, fn=None, name: str = "sdpa_graph") -> dict
     scale = 1.0 / math.sqrt(dh)
 
     def view(s):
-        return s[0].view(1, Q_HEADS, 1, dh), s[1].view(1, KV_HEADS, L, dh), s[2].view(1, KV_HEADS, L, dh)
+        v = s[0].view(1, Q_HEADS, 1, dh), s[1].view(1, KV_HEADS, L, dh), s[2].view(1, KV_HEADS, L, dh)
+        return v if prepare is None else prepare(*v)
 
     if fn is None:
         fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)

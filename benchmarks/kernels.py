@@ -12,8 +12,9 @@ enough input sets to keep weights and KV out of L2:
   transformers' eager attention, or an ``nn.Linear`` LoRA / gated MLP), eager
   and under a CUDA graph; ``torch.compile`` (default, and
   ``max-autotune-no-cudagraphs`` where asked) under a CUDA graph; cuBLAS's
-  linear alone under a CUDA graph; FlashInfer's decode attention under a CUDA
-  graph where ``flashinfer`` imports (on the GPU machine: the wheels of
+  linear alone under a CUDA graph; FlashInfer's batch decode attention (paged
+  KV cache; CUDA-core and tensor-core paths) under a CUDA graph where
+  ``flashinfer`` imports (on the GPU machine: the wheels of
   ``benchmarks/peer_wheels.sh``, carried);
 * the floor: the spec's bytes (inputs once, outputs once) at the measured copy bandwidth.
 
@@ -61,6 +62,7 @@ CONTENDERS = {
     "sdpa_graph": ("attention_decode",),
     "hf_eager_attn_graph": ("attention_decode",),
     "flashinfer_graph": ("attention_decode",),  # where flashinfer imports (benchmarks/peer_wheels.sh carries it to the GPU)
+    "flashinfer_tc_graph": ("attention_decode",),  # the same with its tensor-core decode path
 }
 
 
@@ -212,17 +214,24 @@ def _stock_contenders(case: Case, sets: list[list[Any]]):
         module = SimpleNamespace(num_key_value_groups=d["q_heads"] // d["kv_heads"], training=False)
         hf = lambda q, k, v: eager_attention_forward(module, q, k, v, None, scaling=scale, dropout=0.0)[0].transpose(1, 2)
         out["hf_eager_attn_graph"] = (hf, views, "attn4d")
-        fi = _flashinfer_decode(d, scale)
-        if fi is not None:
-            out["flashinfer_graph"] = (fi, views, "attn4d")
+        for name, tc in (("flashinfer_graph", False), ("flashinfer_tc_graph", True)):
+            fi = _flashinfer_decode(d, scale, tensor_cores=tc)
+            if fi is not None:
+                fn, prepare = fi
+                out[name] = (fn, [prepare(*v) for v in views], "attn4d")
     return out
 
 
-def _flashinfer_decode(d: dict[str, int], scale: float):
-    """FlashInfer's decode attention over the same K/V tensors (its ``HND`` layout: [KV heads, length, head dim]
-    a sequence), or None where flashinfer does not import or ``MIRAGE_BENCH_FLASHINFER=0`` (set by
-    ``h200_run.sh`` when its JIT warm-up failed or ran out of time). Batch 1: ``single_decode_with_kv_cache``; larger
-    batches: ``BatchDecodeWithPagedKVCacheWrapper`` with one page a sequence, planned once outside the timed graph."""
+FLASHINFER_PAGE = 16  # tokens a KV page: FlashInfer's and vLLM's usual decode page size
+
+
+def _flashinfer_decode(d: dict[str, int], scale: float, tensor_cores: bool = False, device: str = "cuda"):
+    """FlashInfer's batch decode attention as serving engines run it, or None where flashinfer does not
+    import or ``MIRAGE_BENCH_FLASHINFER=0`` (set by ``h200_run.sh`` when its JIT warm-up failed or ran out
+    of time). Returns ``(fn, prepare)``: ``prepare(q, k, v)`` copies a case's [batch, KV heads, length, head
+    dim] K/V into FlashInfer's paged cache (``HND``, pages of :data:`FLASHINFER_PAGE` tokens), once and
+    outside any timing; ``fn`` then takes what ``prepare`` returned. ``BatchDecodeWithPagedKVCacheWrapper``
+    is planned once outside the timed graph; ``tensor_cores`` picks its tensor-core (prefill-kernel) path."""
     if os.environ.get("MIRAGE_BENCH_FLASHINFER", "1") == "0":
         log.info("flashinfer contender left out: MIRAGE_BENCH_FLASHINFER=0")
         return None
@@ -232,17 +241,24 @@ def _flashinfer_decode(d: dict[str, int], scale: float):
         log.info("flashinfer contender left out: %s", e)
         return None
     import torch
+    import torch.nn.functional as F
 
-    b, hq, hk, L, dh = d["batch"], d["q_heads"], d["kv_heads"], d["kv_len"], d["head_dim"]
-    if b == 1:
-        return lambda q, k, v: flashinfer.single_decode_with_kv_cache(
-            q.view(hq, dh), k.view(hk, L, dh), v.view(hk, L, dh), kv_layout="HND", sm_scale=scale).view(1, hq, 1, dh)
-    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND")
-    i32 = dict(dtype=torch.int32, device="cuda")
-    wrapper.plan(torch.arange(b + 1, **i32), torch.arange(b, **i32), torch.full((b,), L, **i32), hq, hk, dh, L,
-                 q_data_type=_torch_dtype(), kv_data_type=_torch_dtype(), sm_scale=scale)
-    return lambda q, k, v: wrapper.run(q.view(b, hq, dh), (k.view(b, hk, L, dh), v.view(b, hk, L, dh))).view(b, hq, 1, dh)
+    b, hq, hk, L, dh, P = d["batch"], d["q_heads"], d["kv_heads"], d["kv_len"], d["head_dim"], FLASHINFER_PAGE
+    pages = -(-L // P)
+    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND", use_tensor_cores=tensor_cores)
+    i32 = dict(dtype=torch.int32, device=device)
+    wrapper.plan(torch.arange(b + 1, **i32) * pages, torch.arange(b * pages, **i32), torch.full((b,), L - (pages - 1) * P, **i32),
+                 hq, hk, dh, P, q_data_type=_torch_dtype(), kv_data_type=_torch_dtype(), sm_scale=scale)
+
+    def paged(t):  # [b, hk, L, dh] -> [b * pages, hk, P, dh], the tail page zero-padded
+        t = F.pad(t.reshape(b, hk, L, dh), (0, 0, 0, pages * P - L))
+        return t.view(b, hk, pages, P, dh).transpose(1, 2).reshape(b * pages, hk, P, dh).contiguous()
+
+    def prepare(q, k, v):
+        return q.reshape(b, hq, dh), paged(k), paged(v)
+
+    return (lambda q, kp, vp: wrapper.run(q, (kp, vp)).view(b, hq, 1, dh)), prepare
 
 
 def _per_set(fn_or_list, arg_sets):
@@ -465,7 +481,7 @@ def environment(copy_bw: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- reports
 
 COLUMNS = ["ours", "eager", "eager_graph", "compile_graph", "compile_max_graph", "cublas_graph", "sdpa", "sdpa_graph", "hf_eager_attn_graph",
-           "flashinfer_graph"]
+           "flashinfer_graph", "flashinfer_tc_graph"]
 
 
 def _fmt(x: float | None) -> str:

@@ -158,19 +158,60 @@ def test_flashinfer_contender_is_left_out_where_flashinfer_does_not_import(monke
     assert "flashinfer_graph" in K.Case("attention_decode", dims, "attn").contenders()
 
 
-def test_flashinfer_contender_is_left_out_when_switched_off(monkeypatch):
-    import sys
+def _fake_flashinfer():
+    """FlashInfer's paged batch decode as its documentation defines it (page table of indptr, indices and
+    last-page lengths over an HND cache), in plain torch: checks what ``_flashinfer_decode`` plans and pages."""
     import types
 
-    calls = []
+    class Wrapper:
+        def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
+            assert kv_layout == "HND"
+            self.tc = use_tensor_cores
+
+        def plan(self, indptr, indices, last_page_len, hq, hk, dh, page, q_data_type=None, kv_data_type=None, sm_scale=None):
+            self.table, self.heads, self.page, self.scale = (indptr, indices, last_page_len), (hq, hk), page, sm_scale
+
+        def run(self, q, kv):
+            (indptr, indices, last), (hq, hk) = self.table, self.heads
+            outs = []
+            for i in range(q.shape[0]):
+                pages = indices[indptr[i]:indptr[i + 1]].long()
+                k, v = (c[pages].transpose(0, 1).reshape(hk, -1, c.shape[-1]) for c in kv)  # [hk, pages * page, dh]
+                n = (len(pages) - 1) * self.page + int(last[i])
+                k, v = (t[:, :n].repeat_interleave(hq // hk, 0).float() for t in (k, v))
+                w = torch.softmax(q[i].float()[:, None, :] @ k.transpose(1, 2) * self.scale, -1)
+                outs.append((w @ v)[:, 0].to(q.dtype))
+            return torch.stack(outs)
+
     fake = types.ModuleType("flashinfer")
-    fake.single_decode_with_kv_cache = lambda *a, **k: calls.append(a)
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    fake.BatchDecodeWithPagedKVCacheWrapper = Wrapper
+    return fake
+
+
+@pytest.mark.parametrize("batch,kv_len", [(1, 64), (3, 40)])
+def test_flashinfer_contender_pages_the_cache_as_flashinfer_reads_it(monkeypatch, batch, kv_len):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    hq, hk, dh = 8, 2, 16
+    dims = {"batch": batch, "q_heads": hq, "kv_heads": hk, "head_dim": dh, "kv_len": kv_len}
+    fn, prepare = K._flashinfer_decode(dims, 0.25, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in ((batch, hq, 1, dh), (batch, hk, kv_len, dh), (batch, hk, kv_len, dh)))
+    args = prepare(q, k, v)
+    assert args[1].shape == (batch * -(-kv_len // K.FLASHINFER_PAGE), hk, K.FLASHINFER_PAGE, dh)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(fn(*args).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flashinfer_contender_is_left_out_when_switched_off(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
     dims = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "kv_len": 1024}
-    assert K._flashinfer_decode(dims, 1.0) is not None  # importable: offered
+    assert K._flashinfer_decode(dims, 1.0, device="cpu") is not None  # importable: offered
     monkeypatch.setenv("MIRAGE_BENCH_FLASHINFER", "0")  # h200_run.sh sets it when the JIT warm-up failed
-    assert K._flashinfer_decode(dims, 1.0) is None
-    assert not calls
+    assert K._flashinfer_decode(dims, 1.0, device="cpu") is None
 
 
 def test_flashinfer_warm_reports_a_missing_flashinfer(monkeypatch, capsys):
