@@ -16,17 +16,17 @@ import itertools
 import math
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kv-len", type=int, default=256)
     args = p.parse_args(argv)
-    import kernels as K
     import torch
+
+    from mirage_serve.cmd_bench import load_bench
+
+    K = load_bench("kernels")  # by path: a `kernels` package (Hugging Face's) may be imported already
 
     hq, hk, dh, L = 32, 8, 128, args.kv_len
     scale = 1.0 / math.sqrt(dh)
