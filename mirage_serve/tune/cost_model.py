@@ -10,12 +10,22 @@ Decode-time kernels are memory-bound, so the model is built around bytes:
   tensor fits there and from HBM otherwise.
 * **Bandwidth and parallelism.** HBM streams at ``hbm_bytes_per_s`` (about
   4.2 TB/s on an H200, read + write counted) only with enough bytes in flight:
-  by Little's law an SM must keep ``inflight_bytes_per_sm`` (~32 KB) outstanding.
-  A block keeps at most ``bytes_per_thread_inflight`` per thread (or its whole
-  per-iteration tile, if smaller) in flight, and at most ``max_warps_per_sm``
-  warps fit on an SM; the fraction of the 132 SMs that get work, and how well
-  each is fed, scales the bandwidth. A grid of 4 blocks therefore reaches a few
-  percent of HBM bandwidth; a grid of 768 GEMV blocks reaches all of it.
+  by Little's law an SM must keep ``inflight_bytes_per_sm`` of HBM reads
+  outstanding (96 KB: of 32-160 KB, the value whose picks came closest to the
+  measured best schedules of the whole kernel tables of 2026-12-06 on an H200
+  and 2026-12-07 on an H100; ``benchmarks/cost_model_check.py``). A block keeps
+  its HBM share of one iteration's tiles in flight, times the depth of its
+  software pipeline when its loop has more than one iteration: ``num_stages -
+  1`` tiles ahead of the one a tensor-core matmul reads from shared memory,
+  ``num_stages`` for GEMV math, which waits on its tiles in registers. How many
+  blocks an SM holds at once is bounded by the blocks per SM, the warps
+  (``max_warps_per_sm``) and the shared memory the pipelined tiles take
+  (``num_stages`` copies of an iteration's tiles against ``smem_bytes_per_sm``).
+  The fraction of the 132 SMs that get work, how well each is fed, and a
+  partial last wave (its blocks stream at their own, lower rate) scale the
+  bandwidth. A grid of 4 blocks therefore reaches a few percent of HBM
+  bandwidth; 128 blocks (one an SM) with 24 KB weight tiles reach a quarter of
+  it at 2 stages and three quarters at 4.
 * **Arithmetic.** Tile matmuls run as codegen runs them: with ``matmul="auto"``
   those with fewer than ``dot_min_rows`` (16) rows are GEMV (multiply +
   ``tl.sum``) on the CUDA cores and the rest use ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
@@ -51,8 +61,8 @@ class GPUModel:
     l2_bytes_per_s: float = 10e12
     l2_bytes: int = 50 * 2**20
     launch_s: float = 3e-6
-    inflight_bytes_per_sm: int = 32 * 1024
-    bytes_per_thread_inflight: int = 64
+    inflight_bytes_per_sm: int = 96 * 1024
+    smem_bytes_per_sm: int = 228 * 1024
     max_warps_per_sm: int = 64
     max_blocks_per_sm: int = 32
     dot_flops_per_s: float = 650e12  # bf16/fp16 tensor cores, measured ~690 on 8192^3
@@ -123,17 +133,21 @@ def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...], trans_b: bool) -> tupl
     return 2 * batch * m * n * k, batch * m, n, k
 
 
-def _bandwidth_fraction(gpu: GPUModel, blocks: int, warps: int, tile_bytes_per_iter: int) -> float:
-    """Fraction of HBM bandwidth a grid of ``blocks`` blocks can draw."""
+def _bandwidth_fraction(gpu: GPUModel, blocks: int, warps: int, hbm_bytes_in_flight: int, smem_bytes: int) -> float:
+    """Fraction of HBM bandwidth a grid of ``blocks`` blocks can draw, each keeping
+    ``hbm_bytes_in_flight`` of HBM reads outstanding and taking ``smem_bytes`` of shared memory."""
     warps = max(1, warps)
-    per_sm = min(math.ceil(blocks / gpu.sms), gpu.max_blocks_per_sm, max(1, gpu.max_warps_per_sm // warps))
-    busy_sms = min(blocks, gpu.sms)
-    per_block = min(tile_bytes_per_iter, warps * 32 * gpu.bytes_per_thread_inflight)
-    fed = min(1.0, per_sm * per_block / gpu.inflight_bytes_per_sm)
-    # a grid that does not divide into whole waves leaves SMs idle in its last wave
-    waves = math.ceil(blocks / (gpu.sms * per_sm))
-    wave_eff = blocks / (waves * gpu.sms * per_sm)
-    return max(1e-3, fed * busy_sms / gpu.sms * (wave_eff if waves > 1 else 1.0))
+    fit = min(gpu.max_blocks_per_sm, max(1, gpu.max_warps_per_sm // warps), max(1, gpu.smem_bytes_per_sm // max(1, smem_bytes)))
+    per_sm = max(1, min(math.ceil(blocks / gpu.sms), fit))
+
+    def drawn(n: int) -> float:  # one wave of n blocks, spread over the SMs
+        k = math.ceil(n / gpu.sms)
+        return min(1.0, k * hbm_bytes_in_flight / gpu.inflight_bytes_per_sm) * min(n, gpu.sms) / gpu.sms
+
+    # blocks move equal bytes: full waves stream at one rate, a partial last wave at its own
+    full, last = divmod(blocks, gpu.sms * per_sm)
+    spent = full * gpu.sms * per_sm / drawn(gpu.sms * per_sm) + (last / drawn(last) if last else 0.0)
+    return max(1e-3, blocks / spent)
 
 
 def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu: GPUModel, params: Any) -> KernelCost:
@@ -187,7 +201,12 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
         else:
             mode = "gemv" if mode == "none" else mode
             compute_s += f / gpu.cuda_core_flops_per_s
-    frac = _bandwidth_fraction(gpu, nb, int(_param(params, "num_warps", 4)), tile_iter)
+    stages = int(_param(params, "num_stages", 2))
+    # a pipelined loop keeps num_stages - 1 tiles in flight ahead of the one its MMA reads from shared
+    # memory; GEMV math reads its tiles from registers, so the tile being waited for is in flight too
+    depth = (max(1, stages - 1) if mode == "dot" else stages) if rng > 1 else 1
+    hbm_iter = tile_iter * hbm / loaded if loaded else 0
+    frac = _bandwidth_fraction(gpu, nb, int(_param(params, "num_warps", 4)), int(hbm_iter * depth), tile_iter * (stages if rng > 1 else 1))
     memory_s = (hbm + written) / (gpu.hbm_bytes_per_s * frac) + l2 / (gpu.l2_bytes_per_s * frac)
     # one SM's arithmetic share also shrinks when few SMs have blocks
     compute_s /= min(1.0, nb / gpu.sms)
@@ -219,7 +238,8 @@ def estimate(graph: KernelGraph, params: Any = None, gpu: GPUModel = H200) -> Co
     """Estimate the run time of ``graph`` compiled with ``params`` on ``gpu``.
 
     ``params`` may be a ``CodegenParams``, a dict or None; the model reads
-    ``num_warps`` (default 4), ``matmul`` ("auto" / "dot" / "fma") and ``dot_min_rows``."""
+    ``num_warps`` (default 4), ``num_stages`` (default 2), ``matmul`` ("auto" / "dot" / "fma")
+    and ``dot_min_rows``."""
     info = graph.info
     kernels: list[KernelCost] = []
     t = 0
