@@ -9,6 +9,8 @@ Three hand-written kernel families, written for this measurement only (not shipp
 * ``attn``: a minimal split-KV partials kernel (Q K^T, online softmax, P V, on tensor cores),
   with the exact KV length and no masks (``mask=0``) or with the valid-length mask on the scores
   and V (``mask=1``), as codegen's kernel has.
+* ``attnT``: the same with both matmuls swapped (keys, then the head dim, on the MMA's M side:
+  Hopper's warpgroup MMA needs an M of 64), with ``exp`` or with ``exp2`` and the scale folded into Q.
 
 Each is timed like ``kernels.py`` times (CUDA-graph replays of a rotation over enough input sets to
 defeat the L2; median per call, plain launches), next to codegen's partials kernel alone and its full
@@ -90,6 +92,50 @@ def _attn(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, o_ptr, n_valid, scale, KV: tl.const
     tl.store(o_ptr + row[:, None] * D + rd[None, :], acc, mask=rg[:, None] < G)
 
 
+@triton.jit
+def _attn_t(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, o_ptr, n_valid, scale, KV: tl.constexpr, PER: tl.constexpr, T: tl.constexpr,
+            D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, STAGES: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr):
+    """``_attn`` with both matmuls swapped: S^T = K Q^T and O^T = V^T P^T, the keys (then the head
+    dim) on the MMA's M side, so that an M of 64 or more lets Hopper's warpgroup MMA take them; the
+    softmax reduces over axis 0. ``EXP2``: the scale times log2(e) folded into Q, exp2 for exp."""
+    h, s = tl.program_id(0), tl.program_id(1)
+    n_h = tl.num_programs(0)
+    rg, rt, rd = tl.arange(0, GP), tl.arange(0, T), tl.arange(0, D)
+    qt = tl.load(q_ptr + h * G * D + rg[None, :] * D + rd[:, None], mask=rg[None, :] < G, other=0.0)
+    if EXP2:
+        qt = (qt.to(tl.float32) * (scale * 1.4426950408889634)).to(qt.dtype)
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    lsum = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((D, GP), tl.float32)
+    base = h * KV * D
+    for i in tl.range(0, PER // T, num_stages=STAGES):
+        key = s * PER + i * T + rt
+        k = tl.load(k_ptr + base + key[:, None] * D + rd[None, :])
+        vt = tl.load(v_ptr + base + key[None, :] * D + rd[:, None])
+        st = tl.dot(k, qt)
+        if not EXP2:
+            st = st * scale
+        if MASK:
+            st = tl.where(key[:, None] < n_valid, st, float("-inf"))
+            vt = tl.where(key[None, :] < n_valid, vt, 0.0)
+        mn = tl.maximum(m, tl.max(st, 0))
+        if EXP2:
+            alpha = tl.where(m == mn, 1.0, tl.exp2(m - mn))
+            p = tl.exp2(st - mn[None, :])
+        else:
+            alpha = tl.where(m == mn, 1.0, tl.exp(m - mn))
+            p = tl.exp(st - mn[None, :])
+        lsum = lsum * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(vt, p.to(vt.dtype))
+        m = mn
+    if EXP2:  # the partials' max back in natural-log units, as the combine expects
+        m = m * 0.6931471805599453
+    row = s * n_h * G + h * G + rg
+    tl.store(m_ptr + row, m, mask=rg < G)
+    tl.store(l_ptr + row, lsum, mask=rg < G)
+    tl.store(o_ptr + row[None, :] * D + rd[:, None], acc, mask=rg[None, :] < G)
+
+
 def _time(fn, sets, reps):
     from mirage_serve.tune.timing import time_calls
 
@@ -108,6 +154,8 @@ def hand_points(kv: int) -> list[tuple[str, dict]]:
             pts.append(("read", {"s": s, "t": t, "num_warps": w, "stages": st}))
         for w, st in itertools.product((2, 4), (2, 3) if loop > 1 else (1,)):
             pts.append(("attn", {"s": s, "t": t, "num_warps": w, "stages": st, "mask": 0}))
+        for w, st, e2 in itertools.product((4, 8), (2, 3) if loop > 1 else (1,), (0, 1)) if t >= 64 else ():
+            pts.append(("attnT", {"s": s, "t": t, "num_warps": w, "stages": st, "mask": 0, "exp2": e2}))
     return pts
 
 
@@ -139,8 +187,12 @@ def run_hand(case, kind: str, p: dict, reps: int) -> dict:
                 return (torch.empty(s, h, GROUP, 1, device="cuda"), torch.empty(s, h, GROUP, 1, device="cuda"),
                         torch.empty(s, h, GROUP, d, device="cuda"))
 
-            fn = lambda q, k, v, m, ls, o: _attn[grid](q, k, v, m, ls, o, kv, scale, KV=kv, PER=kv // s, T=t, D=d, G=GROUP, GP=16,
-                                                       STAGES=st, MASK=p["mask"], num_warps=w)
+            if kind == "attnT":
+                fn = lambda q, k, v, m, ls, o: _attn_t[grid](q, k, v, m, ls, o, kv, scale, KV=kv, PER=kv // s, T=t, D=d, G=GROUP, GP=16,
+                                                             STAGES=st, MASK=p["mask"], EXP2=p.get("exp2", 0), num_warps=w)
+            else:
+                fn = lambda q, k, v, m, ls, o: _attn[grid](q, k, v, m, ls, o, kv, scale, KV=kv, PER=kv // s, T=t, D=d, G=GROUP, GP=16,
+                                                           STAGES=st, MASK=p["mask"], num_warps=w)
             errs = []
             for x, ref in zip(case.check_sets, case.refs, strict=True):
                 b = bufs()
@@ -210,7 +262,7 @@ def main() -> int:
     out_path.write_text(json.dumps(report, indent=1, default=str))
     for kv, res in report["cases"].items():
         print(f"-- KV {kv}: floor {res['floor_bytes'] / report['environment']['copy_TBps'] / 1e6:.2f} us at the copy bandwidth")
-        for kind in ("empty", "read", "attn"):
+        for kind in ("empty", "read", "attn", "attnT"):
             ranked = sorted((r for r in res["points"] if r["kind"] == kind and r.get("median_us")), key=lambda r: r["median_us"])
             for r in ranked[:3]:
                 print(f"   {kind:5s} {r['median_us']:7.2f} us  {r.get('TBps', 0):4.2f} TB/s  s{r['s']} t{r['t']} w{r['num_warps']} st{r['stages']} "

@@ -39,6 +39,20 @@ def test_partials_kernel_combines_to_attention(C, splits, keys, mask):
     assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("splits,keys,mask,exp2", [(4, 64, 0, 0), (2, 64, 1, 1), (2, 128, 0, 1)])
+def test_swapped_partials_kernel_combines_to_attention(C, splits, keys, mask, exp2):
+    kv, h, g, d = 256, 2, 4, 128
+    gen = torch.Generator().manual_seed(splits + keys + exp2)
+    q, k, v = torch.randn(h * g, d, generator=gen), torch.randn(h, kv, d, generator=gen), torch.randn(h, kv, d, generator=gen)
+    n = kv - 5 if mask else kv
+    m, ls, o = torch.full((splits, h, g, 1), float("nan")), torch.full((splits, h, g, 1), float("nan")), torch.full((splits, h, g, d), float("nan"))
+    C._attn_t[(h, splits)](q, k, v, m, ls, o, n, 1 / math.sqrt(d), KV=kv, PER=kv // splits, T=keys, D=d, G=g, GP=16, STAGES=2, MASK=mask, EXP2=exp2)
+    sc = q.double().view(h, g, d) @ k.double()[:, :n].transpose(1, 2) / math.sqrt(d)
+    ref = sc.softmax(-1) @ v.double()[:, :n]
+    out = C.G.combine64(m, ls, o).reshape(ref.shape)
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
 def test_read_kernel_sums_every_element(C):
     kv, h, d, s = 256, 2, 128, 4
     gen = torch.Generator().manual_seed(3)
