@@ -72,6 +72,23 @@ def test_gemv_loads_weight_rows_along_k_and_dot_loads_transposed():
     assert "tl.dot(t3, t2" in src and "tl.trans" not in src  # trans_b by load order
 
 
+def test_auto_moves_a_spilling_gemv_of_a_few_rows_onto_tl_dot():
+    from mirage_serve.codegen.params import gemv_fits
+
+    assert gemv_fits(1, 4096, 4096, 4)  # one row: always GEMV (the MMA would pad it to 16)
+    assert gemv_fits(8, 16, 128, 4)  # 16384 products: 128 a thread at 4 warps
+    assert not gemv_fits(8, 48, 256, 4) and gemv_fits(8, 48, 256, 32)  # spills at 4 warps; fits at 32
+    assert gemv_fits(8, 48, 512, 4)  # spills, but tl.dot's tf32 tiles (64 x 512 x 4 B a stage) do not fit either
+    # 4 rows x 32 columns x 256: GEMV would hold 256 products a thread; auto takes tl.dot, and it is right
+    g = fused_rmsnorm_linear(4, 256, 64, n_blocks=2, loop=1, dtype="bfloat16")
+    (src,) = generate_source(g)
+    assert "tl.dot(" in src
+    (fma,) = generate_source(g, CodegenParams(matmul="fma"))
+    assert "tl.dot(" not in fma
+    _, errs = check(g, "bfloat16")
+    assert max(errs) <= TOL["bfloat16"]
+
+
 @pytest.mark.parametrize("spec,dims", [
     ("rmsnorm_linear", {"batch": 3, "hidden": 32, "out": 16}),
     ("add_rmsnorm_linear", {"batch": 3, "hidden": 32, "out": 16}),

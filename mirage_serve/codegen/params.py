@@ -14,6 +14,22 @@ class CodegenError(ValueError):
     """A μGraph construct the Triton generator does not support; the message names the operator."""
 
 
+#: Elements of a GEMV-style broadcast product a thread holds in registers; above it the code spills.
+GEMV_PRODUCT_PER_THREAD = 128
+#: Bytes of one iteration's operand tiles (16-row padded, at 4 bytes: tf32) up to which ``"auto"``
+#: moves a spilling GEMV onto ``tl.dot``; larger staged tiles would not fit Hopper's shared memory.
+AUTO_DOT_MAX_OPERAND_BYTES = 96 * 1024
+
+
+def gemv_fits(rows: int, cols: int, inner: int, num_warps: int) -> bool:
+    """Whether ``matmul="auto"`` computes a tile matmul of fewer than ``dot_min_rows`` rows as GEMV
+    math: one row always (the MMA would pad it to 16); otherwise while its broadcast product fits
+    the registers, or where the tiles ``tl.dot`` would stage are too large for shared memory."""
+    if rows <= 1 or rows * cols * inner <= GEMV_PRODUCT_PER_THREAD * 32 * num_warps:
+        return True
+    return (max(16, rows) + max(16, cols)) * inner * 4 > AUTO_DOT_MAX_OPERAND_BYTES
+
+
 @dataclass(frozen=True)
 class CodegenParams:
     """Knobs where a μGraph leaves freedom; its grid and forloop_range fix the tiling.
@@ -22,7 +38,11 @@ class CodegenParams:
     * ``matmul``: ``"dot"`` uses ``tl.dot`` for every tile matmul with rows,
       columns and inner dim > 1 (padding each to >= 16); ``"fma"`` uses
       broadcast-multiply-reduce (GEMV style) everywhere; ``"auto"`` uses
-      ``tl.dot`` when the tile has at least ``dot_min_rows`` rows.
+      ``tl.dot`` when the tile has at least ``dot_min_rows`` rows, and also from
+      two rows up when the GEMV form's broadcast product (rows x columns x
+      inner) would not fit the threads' registers, so that code would spill
+      (more than :data:`GEMV_PRODUCT_PER_THREAD` a thread), unless the dot's
+      staged tiles would not fit shared memory (:func:`gemv_fits`).
     * ``dot_precision``: ``"ieee"`` (exact fp32), ``"tf32"``, ``"input"`` (cast
       operands to the graph's 16-bit dtype, native tensor-core MMA), or
       ``"auto"``: ieee for float32 graphs, tf32 for 16-bit ones (tf32 holds

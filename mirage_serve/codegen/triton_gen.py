@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from mirage_serve.codegen.analysis import block_dims, summed_matmuls
-from mirage_serve.codegen.params import CodegenError, CodegenParams
+from mirage_serve.codegen.params import CodegenError, CodegenParams, gemv_fits
 from mirage_serve.mugraph.graph import MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo
 
@@ -265,7 +265,7 @@ class _Gen:
             batch = [c for c in ca[:-2] + cb[: len(sb) - 2] if c is not None]
             if None in (m, k, n) or batch:
                 continue
-            if mode == "auto" and sa[-2] < self.params.dot_min_rows:
+            if mode == "auto" and sa[-2] < self.params.dot_min_rows and gemv_fits(sa[-2], sb[nb], sa[-1], self.params.num_warps):
                 continue
             self.dot_ops.add(t)
             self.dot_classes.update((m, k, n))

@@ -27,7 +27,8 @@ Decode-time kernels are memory-bound, so the model is built around bytes:
   bandwidth; 128 blocks (one an SM) with 24 KB weight tiles reach a quarter of
   it at 2 stages and three quarters at 4.
 * **Arithmetic.** Tile matmuls run as codegen runs them: with ``matmul="auto"``
-  those with fewer than ``dot_min_rows`` (16) rows are GEMV (multiply +
+  those with fewer than ``dot_min_rows`` (16) rows whose broadcast product fits
+  the registers (``codegen.params.gemv_fits``) are GEMV (multiply +
   ``tl.sum``) on the CUDA cores and the rest use ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
   wastes 15/16 of the unit). A kernel takes ``max(memory time, arithmetic time)``.
 * **Launches.** Each kernel costs ``launch_s`` (3-5 µs without a CUDA graph;
@@ -45,6 +46,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mirage_serve.codegen.params import gemv_fits
 from mirage_serve.mugraph.graph import KernelGraph, Op
 from mirage_serve.mugraph.shapes import TensorInfo, block_tile_infos
 
@@ -192,7 +194,7 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
         if forced in ("dot", "fma", "gemv"):
             use_dot = forced == "dot"
         else:
-            use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows))
+            use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows)) or not gemv_fits(m, n, k, int(_param(params, "num_warps", 4)))
         if use_dot:
             mode = "dot"
             pad = (max(16, m) * max(16, n) * max(16, k)) / (m * n * k)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mirage_serve.codegen.params import GEMV_PRODUCT_PER_THREAD
 from mirage_serve.mugraph.graph import KernelGraph
 from mirage_serve.mugraph.shapes import block_tile_infos
 
@@ -110,7 +111,7 @@ def _summed_matmul(block) -> bool:
 
 #: Elements of a GEMV-style broadcast product (rows x columns x inner) above which fma code
 #: spills registers at 4 warps (128 per thread); such points are tried only without an alternative.
-FMA_MAX_PRODUCT = 16384
+FMA_MAX_PRODUCT = GEMV_PRODUCT_PER_THREAD * 32 * 4
 
 
 def initial_params(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...] = ()) -> list[dict[str, Any]]:
