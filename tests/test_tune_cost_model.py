@@ -73,8 +73,8 @@ def test_deeper_pipelines_feed_a_one_wave_grid():
 
 def test_model_picks_stay_near_the_measured_best_schedules():
     # the committed whole kernel tables (H200 2026-12-06, H100 2026-12-07) estimated again: the
-    # schedule the model ranks first, against the fastest measured (now 1.18x / 1.17x geomean, at
-    # worst 2.33x / 1.83x); the old per-thread in-flight bound picked schedules up to 4x slower
+    # schedule the model ranks first, against the fastest measured (now 1.19x / 1.17x geomean, at
+    # worst 2.33x / 1.84x); the old per-thread in-flight bound picked schedules up to 4x slower
     # (geomean 1.36x on the H200, 1.29x on the H100)
     import importlib.util
     from pathlib import Path
