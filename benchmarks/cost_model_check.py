@@ -23,18 +23,14 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mirage_serve.cmd_bench import load_bench
+from mirage_serve.tune.cost_model import GPU_MODELS, estimate
 
-import variants as V  # noqa: E402
-
-from mirage_serve.tune.cost_model import GPU_MODELS, estimate  # noqa: E402
-
+K = load_bench("kernels")  # by path: Hugging Face's kernels package may own the name
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_TABLES = ("2026-12-06-h200-kernels-full.json", "2026-12-07-h100-kernels-full.json")
-DTYPE = "bfloat16"
 
 
 def gpu_model_for(name: str):
@@ -44,32 +40,8 @@ def gpu_model_for(name: str):
     raise ValueError(f"no cost-model GPU for {name!r}: known {sorted(GPU_MODELS)}")
 
 
-def spearman(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 3:
-        return None
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                r[order[t]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return num / den if den else None
-
-
 def check_case(case: dict, gpu) -> dict | None:
-    graphs = {c.name: c.graph for c in V.candidates_for(case["spec"], case["dims"], DTYPE)}
+    graphs = {c.name: c.graph for c in K.V.candidates_for(case["spec"], case["dims"], K.DTYPE)}
     rows = [v for v in case.get("variants", []) if v.get("passed") and v.get("median_us") and v["name"] in graphs]
     if not rows:
         return None
@@ -87,7 +59,7 @@ def check_case(case: dict, gpu) -> dict | None:
             tuned_est[v["name"]] = e
     pick_tuned = min(tuned_est, key=tuned_est.get)
     return {
-        "label": case["label"], "variants": len(rows), "schedules": len(best_of), "rho": spearman(est, meas),
+        "label": case["label"], "variants": len(rows), "schedules": len(best_of), "rho": K.rank_correlation(list(zip(est, meas, strict=True))),
         "best_us": best, "pick": pick, "pick_ratio": best_of[pick] / best, "pick_tuned": pick_tuned,
         "pick_tuned_ratio": best_of[pick_tuned] / best,
     }
