@@ -288,13 +288,14 @@ class CacheEntry:
         return json.dumps(self.to_obj(), sort_keys=True, indent=1, allow_nan=False, ensure_ascii=True) + "\n"
 
     @classmethod
-    def from_obj(cls, obj: Any, *, deep: bool = True) -> CacheEntry:
+    def from_obj(cls, obj: Any, *, deep: bool = True, allow_stale: bool = False) -> CacheEntry:
         """Parse and check an entry object; raises :class:`EntryRejected` with the reason.
 
         Order: format, schema version (other versions are *stale*), exact field
         set, checksum, key, then (``deep``) the field contents, the μGraph and
         its match with the key, and the verdict. Entries whose key names other
-        codegen or Triton versions are rejected as stale before the deep checks.
+        codegen or Triton versions are rejected as stale before the deep checks,
+        unless ``allow_stale`` (for tools that regenerate the code themselves).
         """
         if not isinstance(obj, dict):
             raise EntryRejected(f"an entry must be a JSON object, got {type(obj).__name__}")
@@ -326,7 +327,7 @@ class CacheEntry:
             raise EntryRejected(f"bad key: {e}") from None
         if key.schema_version != SCHEMA_VERSION:
             raise EntryRejected(f"key says schema version {key.schema_version} but the entry says {SCHEMA_VERSION}")
-        stale = key.stale_reason()
+        stale = None if allow_stale else key.stale_reason()
         if stale:
             raise EntryRejected(stale, stale=True)
         if not isinstance(obj["mugraph"], dict):
