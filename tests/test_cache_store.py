@@ -339,3 +339,16 @@ def test_cli_verify_reverifies_with_the_verifier(cache, capsys):
     assert rc == 1
     assert status == {make_key().entry_id: "equivalent", make_key("sm80").entry_id: "not_equivalent"}
     assert cache.lookup(make_key("sm80")) is None and cache.lookup(make_key()) is not None
+
+
+def test_from_obj_allow_stale_reads_an_entry_built_for_another_triton():
+    from mirage_serve.cache.entry import EntryRejected, checksum_of
+
+    obj = make_entry().to_obj()
+    obj["key"]["triton_version"] = "0.0.1"
+    obj["checksum"] = checksum_of(obj)
+    with pytest.raises(EntryRejected, match="triton 0.0.1") as err:
+        CacheEntry.from_obj(obj)
+    assert err.value.stale
+    e = CacheEntry.from_obj(obj, allow_stale=True)
+    assert e.key.triton_version == "0.0.1" and e.graph is not None
