@@ -8,7 +8,8 @@ tiles fit shared memory; ``codegen.params.gemv_fits``). This times, for every sh
 that rule changes the code, the entry as it is now (``auto``) beside the GEMV form it had before
 (``matmul="fma"``), both float-checked against the float64 reference, under CUDA graphs.
 
-Usage (GPU): ``python benchmarks/auto_matmul_probe.py --out DIR [--limit N]`` (writes auto-matmul.json).
+Usage (GPU): ``python benchmarks/auto_matmul_probe.py --out DIR [--limit N] [--entries PREFIX ...]`` (writes
+auto-matmul.json).
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--limit", type=int, default=40, help="at most this many entries, spread over the kinds")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--entries", nargs="+", metavar="PREFIX", help="only the affected entries whose names start with one of these")
     args = ap.parse_args(argv)
     import torch
 
     from mirage_serve.tune.profile import profile_candidate
 
     found = affected_entries()
+    if args.entries:
+        found = [(n, e) for n, e in found if n.startswith(tuple(args.entries))]
     by_kind: dict[str, list] = {}
     for name, e in found:
         by_kind.setdefault(name.split("-")[0], []).append((name, e))
