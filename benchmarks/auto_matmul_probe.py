@@ -25,24 +25,42 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mirage_serve.cache.entry import CacheEntry  # noqa: E402
-from mirage_serve.codegen.runtime import generate_source  # noqa: E402
+
+
+def tile_matmuls(graph) -> list[tuple[int, int, int]]:
+    """(rows, columns, inner) of every tile matmul in ``graph``'s block graphs."""
+    from mirage_serve.mugraph.shapes import block_tile_infos
+
+    out = []
+    for op in graph.ops:
+        if op.kind != "customized":
+            continue
+        tiles = block_tile_infos(op.block, [graph.info[t] for t in op.inputs])
+        for bop in op.block.ops:
+            if bop.kind == "matmul":
+                a, b = tiles[bop.inputs[0]].shape, tiles[bop.inputs[1]].shape
+                out.append((a[-2] if len(a) >= 2 else 1, b[-2] if bop.attr("trans_b") else b[-1], a[-1]))
+    return out
 
 
 def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> list[tuple[str, CacheEntry]]:
-    """Shipped entries whose default-parameter code uses ``tl.dot`` where ``matmul="fma"`` would not:
-    those the ``auto`` rule moved off GEMV math."""
-    from mirage_serve.codegen.params import CodegenParams
+    """Shipped entries whose default-parameter code the ``auto`` rule moved off GEMV math: a tile
+    matmul of 2 to ``dot_min_rows - 1`` rows whose GEMV product would not fit the registers
+    (``gemv_fits``), and no tile matmul of ``dot_min_rows`` rows or more, so that ``matmul="fma"``
+    is exactly the code such an entry compiled to before."""
+    from mirage_serve.codegen.params import CodegenParams, gemv_fits
 
     out = []
     for f in sorted(entries_dir.glob("*.json")):
         e = CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True)  # built for the CPU's Triton; regenerated here
         if e.params.get("matmul", "auto") != "auto":
             continue
-        auto = generate_source(e.graph, CodegenParams(**e.params))
-        if any("tl.dot" in s for s in auto):
-            fma = generate_source(e.graph, CodegenParams(**{**e.params, "matmul": "fma"}))
-            if not any("tl.dot" in s for s in fma):
-                out.append((f.stem, e))
+        p = CodegenParams(**e.params)
+        mms = tile_matmuls(e.graph)
+        if any(m >= p.dot_min_rows for m, _, _ in mms):
+            continue
+        if any(m >= 2 and not gemv_fits(m, n, k, p.num_warps) for m, n, k in mms):
+            out.append((f.stem, e))
     return out
 
 

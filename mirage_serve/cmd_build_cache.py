@@ -221,6 +221,9 @@ class BuildOptions:
     max_candidates: int = 8  # best candidates (by the search's own cost) carried into ranking
     seeded_verified: int = 1  # verified re-instantiations wanted per seeded bucket (the cost-model best first)
     max_rows: int | None = None  # verify on at most this many rows (row-separable pairs; see mirage_serve.verify.rows)
+    tune_budget_s: float = 60.0  # on a GPU: seconds of codegen-parameter search per kernel (0: default parameters)
+    tune_graphs: int = 3  # the fastest ranked μGraphs whose parameters are searched
+    tune_reps: int = 30  # timed replays per tuning point
 
 
 def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
@@ -234,6 +237,35 @@ def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
 
 def _verdict(cert: Any) -> str | None:
     return cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
+
+
+def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> Any | None:
+    """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
+    :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
+    default parameters) within ``opts.tune_budget_s``. Every point is float-checked against ``spec`` before
+    it is timed; a point that fails cannot win. Returns the fastest passing point as a ``Ranked`` whose
+    graph is the ranked graph object itself, or None when none passed."""
+    candidate, precompiler, tune = _require("tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "tune")
+    (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
+    from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
+
+    ext = VARIABLE_EXTENTS.get(spec_name)
+    variable = ext.dims if ext is not None else ()  # tuned as the runtime compiles it: masked to a shorter extent
+    cands = [candidate(f"graph{i}", r.graph, variable_dims=variable) for i, r in enumerate(ranked[: max(1, opts.tune_graphs)])]
+    t0 = time.perf_counter()
+    pre = precompiler(max(1, opts.jobs), device="cuda")
+    try:
+        res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, deadline=time.time() + opts.tune_budget_s)
+    finally:
+        pre.close()
+    best = res.best
+    tried = len([t for t in res.trials if "skipped" not in t.result])
+    log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", tried, len(cands), time.perf_counter() - t0,
+             f"{best.label} {best.time_us:.2f} us" if best is not None else "none passed")
+    if best is None:
+        return None
+    info = {"points": tried, "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1), "params": dict(best.params)}
+    return ranked_cls(best.candidate.graph, dict(best.params), best.time_us, True, True, {**best.result, "tuned": info})
 
 
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
@@ -631,6 +663,13 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         if not ranked:
             raise StepError("tune", "every candidate failed its float check while profiling")
         best = ranked[0]
+        if best.profiled and opts.tune_budget_s > 0:
+            tuned = tune_params(ranked, spec, sg.spec_name, opts)
+            details["tuned"] = tuned.details.get("tuned") if tuned is not None else {"kept": "no tuned point passed its float check"}
+            if tuned is not None and tuned.time_us < best.time_us:
+                best = tuned
+            elif tuned is not None:
+                details["tuned"]["kept"] = "the default parameters were faster"
         chosen = next(f for f in compilable if f.graph is best.graph)
         baseline = rank_candidates([spec], device=device, spec=spec)[0]
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
@@ -688,6 +727,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patience", type=float, default=DEFAULT_PATIENCE_S,
                         help=f"stop a subgraph's search this many seconds after its best verified candidate last improved "
                              f"(default {DEFAULT_PATIENCE_S:g}; 0: always search the whole --time-budget)")
+    parser.add_argument("--tune-budget", type=float, default=BuildOptions.tune_budget_s,
+                        help=f"on a GPU: seconds per kernel to search codegen parameters (warps, pipeline stages, MMA form) for "
+                             f"the fastest verified μGraphs, every point float-checked (default {BuildOptions.tune_budget_s:g}; "
+                             f"0: default parameters). Without a GPU the cost model ranks at default parameters")
     parser.add_argument("--no-seed", action="store_true",
                         help="search every bucket from scratch instead of first re-verifying the structures found at its family's first bucket")
     parser.add_argument("--only", default=None, help="comma-separated roles or spec names to build (e.g. attention_decode,attn_norm_qkv); default all")
@@ -794,7 +837,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         # on a GPU several verified seeds are worth profiling; on CPU the cost model's best is the one kept anyway
         opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild, patience_s=args.patience or None,
-                            seeded_verified=3 if arch != "unprofiled" else 1)
+                            seeded_verified=3 if arch != "unprofiled" else 1, tune_budget_s=max(0.0, args.tune_budget))
         seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
         unfusable: dict[tuple, str] = {}  # (spec, dtype, options) -> the kernel whose search found no fused form

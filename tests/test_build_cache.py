@@ -441,3 +441,61 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
                           "--cache-dir", str(cache_dir), "--time-budget", "30")
     (r,) = report["results"]
     assert r["status"] == "original" and "one row group alone does not fit" in r["message"]
+
+
+def test_on_a_gpu_the_parameters_of_the_fastest_graphs_are_searched_and_written(capsys, tmp_path, monkeypatch):
+    """GPU profiling replaced by stand-in times: the default-parameter ranking prefers the 2-block graph,
+    the parameter search finds 8 warps faster still, and the entry records the tuned parameters."""
+    import mirage_serve.tune as tune_mod
+    from mirage_serve.cache import CacheEntry
+    from mirage_serve.specs import build_spec
+    from mirage_serve.tune import profile, search
+    from mirage_serve.verify import verify_equivalent
+    from tests.handwritten import fused_rmsnorm_linear
+
+    spec = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 64, "out": 128}, "float32", eps=1e-5)
+    graphs = [fused_rmsnorm_linear(2, 64, 128, n_blocks=nb, loop=2, eps=1e-5) for nb in (2, 4)]
+    found = [cmd_build_cache.Found(g, verify_equivalent(g, spec, trials=2), "search") for g in graphs]
+    monkeypatch.setattr(cmd_build_cache, "searched_candidates", lambda spec, config, opts: (found, {}))
+    monkeypatch.setattr(cmd_build_cache, "current_arch", lambda: "sm90")
+
+    def stand_in(graph, params=None):
+        p = dict(params or {})
+        blocks = graph.customized_ops[0].block.grid[0] if graph.customized_ops else 0
+        return 20.0 + blocks - (3.0 if p.get("num_warps") == 8 else 0.0) + (50.0 if not graph.customized_ops else 0.0)
+
+    def rank(graphs, params_grid=None, device=None, *, spec=None, **kw):
+        assert device == "cuda"
+        out = [tune_mod.Ranked(g, None, stand_in(g), True, True, {}) for g in graphs]
+        return sorted(out, key=lambda r: r.time_us)
+
+    def profiled(graph, params=None, *, spec=None, device="cuda", reps=50, variable_dims=()):
+        return profile.ProfileResult(True, 1e-3, 0.02, median_us=stand_in(graph, params))
+
+    class Compiled(search.Precompiler):
+        def compile(self, trials):
+            for t in trials:
+                t.compile = {"ok": True, "spills": 0}
+
+    monkeypatch.setattr(tune_mod, "rank_candidates", rank)
+    monkeypatch.setattr(profile, "profile_candidate", profiled)
+    monkeypatch.setattr(search, "Precompiler", Compiled)
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    args = [str(model), "--only", "attn_norm_qkv", "--batch-sizes", "2", "--cache-dir", str(tmp_path / "c"), "--no-package", "--time-budget", "5"]
+    rc, report = run_json(capsys, *args)
+    (r,) = report["results"]
+    assert rc == 0 and r["status"] == "built", r
+    assert r["details"]["tuned"]["params"]["num_warps"] == 8 and r["details"]["tuned"]["graphs"] == 2
+    (path,) = (tmp_path / "c").rglob("entries/*.json")
+    entry = CacheEntry.from_obj(json.loads(path.read_text()))
+    assert entry.key.gpu_arch == "sm90" and entry.graph.customized_ops[0].block.grid[0] == 2
+    assert entry.params.get("num_warps") == 8 and entry.timings["time_us"] == pytest.approx(22.0 - 3.0)
+
+    # --tune-budget 0 keeps the default parameters
+    args[args.index("--cache-dir") + 1] = str(tmp_path / "c0")
+    rc, report = run_json(capsys, *args, "--tune-budget", "0")
+    (path,) = (tmp_path / "c0").rglob("entries/*.json")
+    entry = CacheEntry.from_obj(json.loads(path.read_text()))
+    assert rc == 0 and "num_warps" not in entry.params and entry.timings["time_us"] == pytest.approx(22.0)
