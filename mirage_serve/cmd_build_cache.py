@@ -264,8 +264,10 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
              f"{best.label} {best.time_us:.2f} us" if best is not None else "none passed")
     if best is None:
         return None
-    info = {"points": tried, "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1), "params": dict(best.params)}
-    return ranked_cls(best.candidate.graph, dict(best.params), best.time_us, True, True, {**best.result, "tuned": info})
+    (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
+    params = codegen_params.from_dict(dict(best.params)).cache_params()  # what the entry stores: the non-default knobs
+    info = {"points": tried, "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1), "params": params}
+    return ranked_cls(best.candidate.graph, params, best.time_us, True, True, {**best.result, "tuned": info})
 
 
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
