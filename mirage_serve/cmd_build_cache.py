@@ -243,9 +243,9 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
     default parameters) within ``opts.tune_budget_s``. Every point is float-checked against ``spec`` before
-    it is timed; a point that fails cannot win. Returns the fastest passing point as a ``Ranked`` whose
+    it is timed, in a process of its own; a point that fails (or crashes) cannot win. Returns the fastest passing point as a ``Ranked`` whose
     graph is the ranked graph object itself, or None when none passed."""
-    candidate, precompiler, tune = _require("tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "tune")
+    candidate, precompiler, measurer, tune = _require("tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
     from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
 
@@ -254,10 +254,13 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     cands = [candidate(f"graph{i}", r.graph, variable_dims=variable) for i, r in enumerate(ranked[: max(1, opts.tune_graphs)])]
     t0 = time.perf_counter()
     pre = precompiler(max(1, opts.jobs), device="cuda")
+    meas = measurer("cuda")  # a point that breaks its CUDA context costs only itself, not the rest of the build
     try:
-        res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, deadline=time.time() + opts.tune_budget_s)
+        res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, deadline=time.time() + opts.tune_budget_s,
+                   measurer=meas)
     finally:
         pre.close()
+        meas.close()
     best = res.best
     tried = len([t for t in res.trials if "skipped" not in t.result])
     log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", tried, len(cands), time.perf_counter() - t0,

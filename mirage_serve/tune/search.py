@@ -344,14 +344,17 @@ def tune(
     deadline: float | None = None,
     precompiled: Sequence[Trial] | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    measurer: Measurer | None = None,
 ) -> TuneResult:
     """Search parameters for ``candidates`` (see the module docstring); fastest passing point first.
 
     ``precompiled``: round-1 trials whose compilation was already done; ``deadline``
     (``time.time()``) stops the search after its first round: every candidate's starting point is
-    measured however long compiling took, later rounds' points are not started past it."""
+    measured however long compiling took, later rounds' points are not started past it.
+    ``measurer``: profile in its own process (a point that breaks its CUDA context costs only itself);
+    by default points are profiled in this process."""
     pre = precompiler or Precompiler(1, device)
-    tuner = Tuner(candidates, spec, device=device, reps=reps, top=top, deadline=deadline, on_trial=on_trial)
+    tuner = Tuner(candidates, spec, device=device, reps=reps, top=top, deadline=deadline, on_trial=on_trial, measurer=measurer)
     if precompiled is not None:
         tuner.round = 1
         batch = tuner._new(list(precompiled))
