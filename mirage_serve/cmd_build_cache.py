@@ -243,8 +243,8 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
     default parameters) within ``opts.tune_budget_s``. Every point is float-checked against ``spec`` before
-    it is timed, in a process of its own; a point that fails (or crashes) cannot win. Returns the fastest passing point as a ``Ranked`` whose
-    graph is the ranked graph object itself, or None when none passed."""
+    it is timed, in a process of its own; a point that fails (or crashes) cannot win. Returns the fastest
+    passing point as a ``Ranked`` whose graph is the ranked graph object itself, or None when none passed."""
     candidate, precompiler, measurer, tune = _require("tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
     from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
@@ -670,7 +670,7 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         best = ranked[0]
         if best.profiled and opts.tune_budget_s > 0:
             tuned = tune_params(ranked, spec, sg.spec_name, opts)
-            details["tuned"] = tuned.details.get("tuned") if tuned is not None else {"kept": "no tuned point passed its float check"}
+            details["tuned"] = tuned.details.get("tuned") if tuned is not None else {"kept": "no tuned point compiled and passed its float check"}
             if tuned is not None and tuned.time_us < best.time_us:
                 best = tuned
             elif tuned is not None:
