@@ -3,7 +3,7 @@
 # verification, ranking by profiling and the codegen-parameter search (--tune-budget), into a fresh cache
 # under $OUT. Writes $OUT/build-cache.json (the command's --json report), build-cache.log and a summary of
 # each kernel's tuned parameters against its default-parameter time.
-# Usage (GPU machine): bash benchmarks/build_cache_gpu.sh [extra build-cache args]
+# Usage (GPU machine): bash benchmarks/build_cache_gpu.sh [build-cache args replacing the default slice below]
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -13,15 +13,25 @@ cat > /tmp/tiny-llama/config.json <<'JSON'
  "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
  "rms_norm_eps": 1e-5, "hidden_act": "silu", "vocab_size": 128, "torch_dtype": "bfloat16"}
 JSON
-timeout ${BUILD_TIMEOUT:-300} python3 -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
-  build-cache /tmp/tiny-llama --no-package --cache-dir "$OUT/cache" --json "$@" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
-echo "build-cache exit $?"
-grep -v -i warning "$OUT/build-cache.log" | tail -8
+# the default slice: two kernels at two batches and one KV length, short budgets (extra args override)
+args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 30 --patience 8 --tune-budget 15 --jobs 8)
+[ $# -gt 0 ] && args=("$@")
+# SIGINT at the limit: build-cache stops, keeps what it built and still prints its report
+timeout -s INT ${BUILD_TIMEOUT:-300} python3 -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
+  -v build-cache /tmp/tiny-llama --no-package --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
+rc=$?
+echo "build-cache exit $rc"
+grep "mirage_serve.cmd_build_cache" "$OUT/build-cache.log" | tail -12
 python3 - "$OUT/build-cache.json" <<'PY'
 import json, sys
-rep = json.load(open(sys.argv[1]))
+try:
+    rep = json.load(open(sys.argv[1]))
+except ValueError:
+    sys.exit("no JSON report (build-cache.log says why)")
 for r in rep.get("results", []):
     t = (r.get("details") or {}).get("tuned") or {}
     print(f"{r['subgraph']:<22} {r['bucket']:<12} {r['status']:<8} profiled={r['profiled']} speedup={r['speedup']} "
-          f"tuned={t.get('params')} kept={t.get('kept', 'tuned')} points={t.get('points')} {t.get('seconds')}s")
+          f"kept={t.get('kept')} params={t.get('params')} default_us={t.get('default_us')} time_us={t.get('time_us')} "
+          f"points={t.get('points')} passed={t.get('passed')} {t.get('seconds')}s {t.get('error', '')}")
 PY
+exit $rc

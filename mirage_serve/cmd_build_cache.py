@@ -239,38 +239,61 @@ def _verdict(cert: Any) -> str | None:
     return cert.get("verdict") if isinstance(cert, dict) else getattr(cert, "verdict", None)
 
 
+#: a tuned point replaces the default parameters only when it is at least this much faster (timing noise)
+TUNE_MIN_GAIN = 0.02
+
+
 def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> Any | None:
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
-    default parameters) within ``opts.tune_budget_s``. Every point is float-checked against ``spec`` before
-    it is timed, in a process of its own; a point that fails (or crashes) cannot win. Returns the fastest
-    passing point as a ``Ranked`` whose graph is the ranked graph object itself, or None when none passed."""
-    candidate, precompiler, measurer, tune = _require("tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune")
+    default parameters). The first round (every graph at its default and its initial parameters) is
+    always timed; later rounds stop at ``opts.tune_budget_s``. Every point is float-checked against
+    ``spec`` before it is timed, in a process of its own, and compiled in worker processes, so a point
+    that fails or crashes costs only itself. Points are timed as the runtime compiles them (decode
+    attention masked to a shorter KV length).
+
+    Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
+    one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN`, else
+    that default point; None when no default point passed. ``details["tuned"]`` says which."""
+    candidate, precompiler, measurer, tune, trial_cls, first_round = _require(
+        "tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune", "Trial", "first_round")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
+    (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
     from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
 
     ext = VARIABLE_EXTENTS.get(spec_name)
-    variable = ext.dims if ext is not None else ()  # tuned as the runtime compiles it: masked to a shorter extent
+    variable = ext.dims if ext is not None else ()
     cands = [candidate(f"graph{i}", r.graph, variable_dims=variable) for i, r in enumerate(ranked[: max(1, opts.tune_graphs)])]
+    round1 = [trial_cls(c, {}, 1) for c in cands] + first_round(cands)
     t0 = time.perf_counter()
-    pre = precompiler(max(1, opts.jobs), device="cuda")
-    meas = measurer("cuda")  # a point that breaks its CUDA context costs only itself, not the rest of the build
+    pre = precompiler(max(2, opts.jobs), device="cuda")  # one worker would compile (and launch) in this process
+    meas = measurer("cuda")
     try:
-        res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, deadline=time.time() + opts.tune_budget_s,
-                   measurer=meas)
+        pre.compile(round1)
+        res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, precompiled=round1,
+                   deadline=time.time() + opts.tune_budget_s, measurer=meas)
     finally:
-        pre.close()
-        meas.close()
+        try:
+            pre.close()
+        finally:
+            meas.close()
+    defaults = sorted((t for t in res.trials if not t.params), key=lambda t: t.time_us)
     best = res.best
-    tried = len([t for t in res.trials if "skipped" not in t.result])
-    log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", tried, len(cands), time.perf_counter() - t0,
-             f"{best.label} {best.time_us:.2f} us" if best is not None else "none passed")
-    if best is None:
+    default = defaults[0] if defaults and math.isfinite(defaults[0].time_us) else None
+    timed = [t for t in res.trials if math.isfinite(t.time_us)]
+    info: dict[str, Any] = {"points": len(res.trials), "passed": len(timed), "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1)}
+    if default is None:
+        log.info("tuning: no default-parameter point passed (%s)", info)
         return None
-    (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
-    params = codegen_params.from_dict(dict(best.params)).cache_params()  # what the entry stores: the non-default knobs
-    info = {"points": tried, "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1), "params": params}
-    return ranked_cls(best.candidate.graph, params, best.time_us, True, True, {**best.result, "tuned": info})
+    info["default_us"] = round(default.time_us, 3)
+    if best is not None and best is not default and best.time_us < default.time_us * (1 - TUNE_MIN_GAIN):
+        win, info["kept"] = best, "tuned"
+    else:
+        win, info["kept"] = default, f"default parameters (no point was {TUNE_MIN_GAIN:.0%} faster)"
+    info["params"] = params = codegen_params.from_dict(dict(win.params)).cache_params()  # the non-default knobs
+    info["time_us"] = round(win.time_us, 3)
+    log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", len(res.trials), len(cands), info["seconds"], info)
+    return ranked_cls(win.candidate.graph, params, win.time_us, True, True, {**win.result, "tuned": info})
 
 
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
@@ -669,12 +692,15 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
             raise StepError("tune", "every candidate failed its float check while profiling")
         best = ranked[0]
         if best.profiled and opts.tune_budget_s > 0:
-            tuned = tune_params(ranked, spec, sg.spec_name, opts)
-            details["tuned"] = tuned.details.get("tuned") if tuned is not None else {"kept": "no tuned point compiled and passed its float check"}
-            if tuned is not None and tuned.time_us < best.time_us:
-                best = tuned
-            elif tuned is not None:
-                details["tuned"]["kept"] = "the default parameters were faster"
+            try:
+                tuned = tune_params(ranked, spec, sg.spec_name, opts)
+            except Exception as e:  # tuning is optional: the profiled default-parameter winner still stands
+                log.warning("%s: the parameter search failed (%s: %s); keeping default parameters", item.describe(), type(e).__name__, e)
+                tuned, details["tuned"] = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if tuned is not None:
+                best, details["tuned"] = tuned, tuned.details["tuned"]
+            elif "tuned" not in details:
+                details["tuned"] = {"kept": "default parameters of the ranking (no default point passed in the parameter search)"}
         chosen = next(f for f in compilable if f.graph is best.graph)
         baseline = rank_candidates([spec], device=device, spec=spec)[0]
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
@@ -734,8 +760,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_PATIENCE_S:g}; 0: always search the whole --time-budget)")
     parser.add_argument("--tune-budget", type=float, default=BuildOptions.tune_budget_s,
                         help=f"on a GPU: seconds per kernel to search codegen parameters (warps, pipeline stages, MMA form) for "
-                             f"the fastest verified μGraphs, every point float-checked (default {BuildOptions.tune_budget_s:g}; "
-                             f"0: default parameters). Without a GPU the cost model ranks at default parameters")
+                             f"the fastest verified μGraphs after a first round that times each at its default and initial "
+                             f"parameters, every point float-checked (default {BuildOptions.tune_budget_s:g}; 0: default "
+                             f"parameters, no search). Without a GPU the cost model ranks at default parameters")
     parser.add_argument("--no-seed", action="store_true",
                         help="search every bucket from scratch instead of first re-verifying the structures found at its family's first bucket")
     parser.add_argument("--only", default=None, help="comma-separated roles or spec names to build (e.g. attention_decode,attn_norm_qkv); default all")

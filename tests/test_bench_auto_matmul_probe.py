@@ -25,7 +25,6 @@ def P():
 def test_affected_entries_are_those_the_rule_moved_to_dot(P):
     found = P.affected_entries()
     assert found, "the shipped cache has entries with 2-15-row tile matmuls too large for GEMV registers"
-    names = {n for n, _ in found}
     for name, e in found:
         p = CodegenParams(**e.params)
         mms = P.tile_matmuls(e.graph)
@@ -33,13 +32,29 @@ def test_affected_entries_are_those_the_rule_moved_to_dot(P):
         auto = "\n".join(generate_source(e.graph, p))
         fma = "\n".join(generate_source(e.graph, CodegenParams(**{**e.params, "matmul": "fma"})))
         assert "tl.dot" in auto and "tl.dot" not in fma, name
-    # an entry with only small products (or one-row matmuls) keeps GEMV math and is not picked
-    all_entries = sorted((BENCH.parent / "kernel_cache" / "entries").glob("*.json"))
-    assert len(names) < len(all_entries)
+
+
+def test_affected_entries_are_exactly_the_entries_whose_code_the_rule_changed(P, monkeypatch):
+    """The code of every shipped entry with the rule, and with GEMV math for every tile matmul under 16 rows (the
+    rule before it): exactly the picked entries differ."""
+    import json
+
+    from mirage_serve.cache.entry import CacheEntry
+    from mirage_serve.codegen import triton_gen
+
+    entries = {}
+    for f in sorted((BENCH.parent / "kernel_cache" / "entries").glob("*.json")):
+        e = CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True)
+        entries[f.stem] = e
+    now = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
+    monkeypatch.setattr(triton_gen, "gemv_fits", lambda *a: True)
+    before = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
+    changed = {n for n in entries if now[n] != before[n]}
+    assert changed and changed == {n for n, _ in P.affected_entries()}
 
 
 def test_tile_matmuls_reads_rows_columns_inner(P):
-    from handwritten import fused_rmsnorm_linear
+    from tests.handwritten import fused_rmsnorm_linear
 
     # 4 rows; 128 outputs over 4 blocks = 32 columns; 256 hidden over 2 iterations = 128 inner
     assert P.tile_matmuls(fused_rmsnorm_linear(4, 256, 128, n_blocks=4, loop=2)) == [(4, 32, 128)]

@@ -194,3 +194,10 @@ def test_late_ext_mask_is_offered_where_a_kernel_loads_a_variable_extent():
     r1 = search.first_round(cands)
     assert any(t.params.get("late_ext_mask") == 2 for t in r1 if t.candidate.name == "one")
     assert not any("late_ext_mask" in t.params for t in r1 if t.candidate.name == "fixed")
+
+
+def test_a_point_that_does_not_return_in_time_is_killed_and_excluded():
+    m = search.Measurer("cpu", timeout_s=0.05)  # starting the measuring process alone takes longer
+    c = search.Candidate("c", fused_rmsnorm_linear(2, 64, 32, 2, 2))
+    r = m.measure(search.Trial(c, {}, 1), None, 1)
+    assert r["passed"] is False and "killed" in r["error"] and m._pool is None

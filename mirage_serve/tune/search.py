@@ -140,24 +140,35 @@ class Measurer:
     """Profiles points in one separate process, so a kernel that breaks its CUDA context costs
     only that point: the process is replaced and the point recorded as crashing."""
 
-    def __init__(self, device: str = "cuda") -> None:
+    def __init__(self, device: str = "cuda", timeout_s: float | None = 300.0) -> None:
         self.device = device
+        self.timeout_s = timeout_s  # a point still running after this long (a kernel that never ends) is killed
         self._pool: ProcessPoolExecutor | None = None
 
     def measure(self, trial: Trial, spec: KernelGraph | None, reps: int) -> dict[str, Any]:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         from mirage_serve.mugraph.serialize import to_json
 
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+        fut = self._pool.submit(_measure_one, to_json(trial.candidate.graph), trial.params, trial.candidate.variable_dims,
+                                to_json(spec) if spec is not None else None, self.device, reps)
         try:
-            return self._pool.submit(_measure_one, to_json(trial.candidate.graph), trial.params, trial.candidate.variable_dims,
-                                     to_json(spec) if spec is not None else None, self.device, reps).result()
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.close(kill=True)
+            return {"passed": False, "error": f"still running after {self.timeout_s:g} s; the measuring process was killed and the point is excluded"}
         except Exception as e:  # the process died: this point broke its CUDA context (or crashed it otherwise)
             self.close()
             return {"passed": False, "error": f"crashed the measuring process ({type(e).__name__}); the point is excluded"}
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Shut the measuring process down (``kill``: terminate it first, for a point that does not return)."""
         if self._pool is not None:
+            if kill:
+                for proc in list(getattr(self._pool, "_processes", {}).values()):
+                    proc.kill()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
