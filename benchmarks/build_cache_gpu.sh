@@ -14,10 +14,10 @@ cat > /tmp/tiny-llama/config.json <<'JSON'
  "rms_norm_eps": 1e-5, "hidden_act": "silu", "vocab_size": 128, "torch_dtype": "bfloat16"}
 JSON
 # the default slice: two kernels at two batches and one KV length, short budgets (extra args override)
-args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 30 --patience 8 --tune-budget 15 --jobs 8)
+args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 30 --patience 8 --tune-budget 40 --jobs 8)
 [ $# -gt 0 ] && args=("$@")
-# SIGINT at the limit: build-cache stops, keeps what it built and still prints its report
-timeout -s INT ${BUILD_TIMEOUT:-300} python3 -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
+# SIGINT at the limit: build-cache stops, keeps what it built and still prints its report (SIGKILL 60 s later)
+timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
   -v build-cache /tmp/tiny-llama --no-package --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
 rc=$?
 echo "build-cache exit $rc"

@@ -246,15 +246,16 @@ TUNE_MIN_GAIN = 0.02
 def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> Any | None:
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
-    default parameters). The first round (every graph at its default and its initial parameters) is
-    always timed; later rounds stop at ``opts.tune_budget_s``. Every point is float-checked against
+    default parameters) within ``opts.tune_budget_s`` from the start of the search; the first round
+    (every graph at its default and its initial parameters) is timed in full however long it takes. Every point is float-checked against
     ``spec`` before it is timed, in a process of its own, and compiled in worker processes, so a point
     that fails or crashes costs only itself. Points are timed as the runtime compiles them (decode
     attention masked to a shorter KV length).
 
     Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
-    one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN`, else
-    that default point; None when no default point passed. ``details["tuned"]`` says which."""
+    one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN` (or
+    when no default point was timed), else that default point; None when no point passed.
+    ``details["tuned"]`` says which."""
     candidate, precompiler, measurer, tune, trial_cls, first_round = _require(
         "tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune", "Trial", "first_round")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
@@ -268,28 +269,34 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     t0 = time.perf_counter()
     pre = precompiler(max(2, opts.jobs), device="cuda")  # one worker would compile (and launch) in this process
     meas = measurer("cuda")
+    stuck = True  # left by an exception (an interrupt while a point hangs, too): the measuring process is killed, not awaited
     try:
+        deadline = time.time() + opts.tune_budget_s
         pre.compile(round1)
         res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, precompiled=round1,
-                   deadline=time.time() + opts.tune_budget_s, measurer=meas)
+                   deadline=deadline, measurer=meas)
+        stuck = False
     finally:
         try:
             pre.close()
         finally:
-            meas.close()
+            meas.close(kill=stuck)
     defaults = sorted((t for t in res.trials if not t.params), key=lambda t: t.time_us)
     best = res.best
     default = defaults[0] if defaults and math.isfinite(defaults[0].time_us) else None
     timed = [t for t in res.trials if math.isfinite(t.time_us)]
     info: dict[str, Any] = {"points": len(res.trials), "passed": len(timed), "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1)}
-    if default is None:
-        log.info("tuning: no default-parameter point passed (%s)", info)
+    if best is None:
+        log.info("tuning: no point passed (%s)", info)
         return None
-    info["default_us"] = round(default.time_us, 3)
-    if best is not None and best is not default and best.time_us < default.time_us * (1 - TUNE_MIN_GAIN):
+    if default is None:  # the default points failed, or spilled registers and were skipped for a spill-free point
+        win, info["kept"] = best, "tuned (no default-parameter point was timed: failed, or skipped for spilling registers)"
+    elif best is not default and best.time_us < default.time_us * (1 - TUNE_MIN_GAIN):
         win, info["kept"] = best, "tuned"
     else:
         win, info["kept"] = default, f"default parameters (no point was {TUNE_MIN_GAIN:.0%} faster)"
+    if default is not None:
+        info["default_us"] = round(default.time_us, 3)
     info["params"] = params = codegen_params.from_dict(dict(win.params)).cache_params()  # the non-default knobs
     info["time_us"] = round(win.time_us, 3)
     log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", len(res.trials), len(cands), info["seconds"], info)
@@ -700,7 +707,7 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
             if tuned is not None:
                 best, details["tuned"] = tuned, tuned.details["tuned"]
             elif "tuned" not in details:
-                details["tuned"] = {"kept": "default parameters of the ranking (no default point passed in the parameter search)"}
+                details["tuned"] = {"kept": "default parameters of the ranking (no point passed in the parameter search)"}
         chosen = next(f for f in compilable if f.graph is best.graph)
         baseline = rank_candidates([spec], device=device, spec=spec)[0]
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
@@ -760,8 +767,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_PATIENCE_S:g}; 0: always search the whole --time-budget)")
     parser.add_argument("--tune-budget", type=float, default=BuildOptions.tune_budget_s,
                         help=f"on a GPU: seconds per kernel to search codegen parameters (warps, pipeline stages, MMA form) for "
-                             f"the fastest verified μGraphs after a first round that times each at its default and initial "
-                             f"parameters, every point float-checked (default {BuildOptions.tune_budget_s:g}; 0: default "
+                             f"the fastest verified μGraphs; a first round that times each at its default and initial parameters "
+                             f"always runs in full, later rounds stop at the budget; every point float-checked (default {BuildOptions.tune_budget_s:g}; 0: default "
                              f"parameters, no search). Without a GPU the cost model ranks at default parameters")
     parser.add_argument("--no-seed", action="store_true",
                         help="search every bucket from scratch instead of first re-verifying the structures found at its family's first bucket")

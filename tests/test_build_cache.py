@@ -443,7 +443,8 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
     assert r["status"] == "original" and "one row group alone does not fit" in r["message"]
 
 
-def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str, tune_error: Exception | None = None):
+def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str, tune_error: Exception | None = None,
+               spills=lambda params: 0):
     """build-cache for one RMSNorm->QKV bucket "on a GPU" whose profiling is replaced by ``stand_in(graph, params)``
     (µs), over two verified graphs of 2 and 4 blocks; returns (exit code, the item's report, the entry written)."""
     import mirage_serve.tune as tune_mod
@@ -468,7 +469,7 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
             if tune_error is not None:
                 raise tune_error
             for t in trials:
-                t.compile = {"ok": True, "spills": 0}
+                t.compile = {"ok": True, "spills": spills(t.params)}
 
     class InProcess(search.Measurer):  # the stand-in profiler lives in this process
         def measure(self, trial, spec, reps):
@@ -528,3 +529,15 @@ def test_a_failing_parameter_search_keeps_the_profiled_default_winner(capsys, tm
     rc, r, entry = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", tune_error=OSError("no process could be started"))
     assert rc == 0 and r["status"] == "built" and "OSError: no process could be started" in r["details"]["tuned"]["error"]
     assert _blocks(entry.graph) == 2 and entry.params == {} and entry.timings["time_us"] == pytest.approx(22.0)
+
+
+def test_default_points_that_spill_do_not_void_the_search(capsys, tmp_path, monkeypatch):
+    """Default-parameter points that spill registers are skipped once a spill-free point passed; the search's
+    best spill-free point is then taken."""
+
+    def stand_in(graph, params):
+        return 20.0 + _blocks(graph) - (4.0 if params else 0.0) + (50.0 if not graph.customized_ops else 0.0)
+
+    rc, r, entry = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", spills=lambda params: 0 if params else 512)
+    assert rc == 0 and r["details"]["tuned"]["kept"].startswith("tuned (no default-parameter point was timed")
+    assert _blocks(entry.graph) == 2 and entry.params and entry.timings["time_us"] == pytest.approx(18.0)
