@@ -25,22 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mirage_serve.cache.entry import CacheEntry  # noqa: E402
-
-
-def tile_matmuls(graph) -> list[tuple[int, int, int]]:
-    """(rows, columns, inner) of every tile matmul in ``graph``'s block graphs."""
-    from mirage_serve.mugraph.shapes import block_tile_infos
-
-    out = []
-    for op in graph.ops:
-        if op.kind != "customized":
-            continue
-        tiles = block_tile_infos(op.block, [graph.info[t] for t in op.inputs])
-        for bop in op.block.ops:
-            if bop.kind == "matmul":
-                a, b = tiles[bop.inputs[0]].shape, tiles[bop.inputs[1]].shape
-                out.append((a[-2] if len(a) >= 2 else 1, b[-2] if bop.attr("trans_b") else b[-1], a[-1]))
-    return out
+from mirage_serve.tune.space import tile_matmuls  # noqa: E402
 
 
 def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> list[tuple[str, CacheEntry]]:

@@ -55,6 +55,22 @@ from mirage_serve.mugraph.shapes import block_tile_infos
 DOT_NATIVE = {"matmul": "dot", "dot_precision": "input"}
 
 
+def block_matmuls(block, ins: list) -> list[tuple[int, int, int]]:
+    """(rows, columns, inner) of every tile matmul of ``block``, whose inputs have the tensor infos ``ins``."""
+    tiles = block_tile_infos(block, ins)
+    out = []
+    for bop in block.ops:
+        if bop.kind == "matmul":
+            a, b = tiles[bop.inputs[0]].shape, tiles[bop.inputs[1]].shape
+            out.append((a[-2] if len(a) >= 2 else 1, b[-2] if bop.attr("trans_b") else b[-1], a[-1]))
+    return out
+
+
+def tile_matmuls(graph: KernelGraph) -> list[tuple[int, int, int]]:
+    """(rows, columns, inner) of every tile matmul in ``graph``'s block graphs."""
+    return [mm for op in graph.ops if op.kind == "customized" for mm in block_matmuls(op.block, [graph.info[t] for t in op.inputs])]
+
+
 def graph_features(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     """Rows of the widest tile matmul, the largest broadcast product a GEMV-style lowering of a
     tile matmul holds in registers, kernel count, loop ranges and 16-bit-ness of ``graph``; with
@@ -71,14 +87,9 @@ def graph_features(graph: KernelGraph, variable_dims: tuple[tuple[int, int], ...
         loops.append(blk.forloop_range)
         if var_inputs & set(op.inputs):
             var_loop = max(var_loop, blk.forloop_range)
-        tiles = block_tile_infos(blk, [info[t] for t in op.inputs])
-        for bop in blk.ops:
-            if bop.kind == "matmul":
-                a, b = tiles[bop.inputs[0]].shape, tiles[bop.inputs[1]].shape
-                m, k = (a[-2] if len(a) >= 2 else 1), a[-1]
-                n = b[-2] if bop.attr("trans_b") else b[-1]
-                rows = max(rows, m)
-                prod = max(prod, m * n * k)
+        for m, n, k in block_matmuls(blk, [info[t] for t in op.inputs]):
+            rows = max(rows, m)
+            prod = max(prod, m * n * k)
     low = any(info[t].dtype in ("bfloat16", "float16") for t in graph.input_ids)
     from mirage_serve.codegen.runtime import fusable_combine
 
