@@ -247,9 +247,9 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
     default parameters) within ``opts.tune_budget_s`` from the start of the search; the first round
-    (every graph at its default and its initial parameters) is timed in full however long it takes. Every point is float-checked against
-    ``spec`` before it is timed, in a process of its own, and compiled in worker processes, so a point
-    that fails or crashes costs only itself. Points are timed as the runtime compiles them (decode
+    (every graph at its default and its initial parameters) is timed in full however long it takes.
+    Every point is float-checked against ``spec`` before it is timed, in a process of its own, and
+    compiled in worker processes, so a point that fails or crashes costs only itself. Points are timed as the runtime compiles them (decode
     attention masked to a shorter KV length).
 
     Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
@@ -281,9 +281,8 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
             pre.close()
         finally:
             meas.close(kill=stuck)
-    defaults = sorted((t for t in res.trials if not t.params), key=lambda t: t.time_us)
     best = res.best
-    default = defaults[0] if defaults and math.isfinite(defaults[0].time_us) else None
+    default = min((t for t in res.trials if not t.params and math.isfinite(t.time_us)), key=lambda t: t.time_us, default=None)
     timed = [t for t in res.trials if math.isfinite(t.time_us)]
     info: dict[str, Any] = {"points": len(res.trials), "passed": len(timed), "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1)}
     if best is None:
