@@ -8,6 +8,21 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/tiny-llama
+# what the search needs beyond the GPU image, carried as wheels (bash benchmarks/peer_wheels.sh build; carry [".whl/build"])
+if ls .whl/build/*.whl >/dev/null 2>&1; then
+  # --no-deps: egglog's declared extras (widgets, notebooks) are not needed to import it; present packages are kept
+  python3 -m pip install -q --no-deps --no-index --find-links .whl/build --break-system-packages "egglog>=13.2" black click \
+    cloudpickle graphviz mypy-extensions opentelemetry-api importlib-metadata zipp packaging pathspec platformdirs pytokens \
+    typing-extensions tqdm filelock 2>&1 | grep -v -i warning | tail -3
+  python3 -c 'from egglog.bindings import EGraph' || echo "egglog does not import: build-cache's search will fail"
+fi
+# from a source checkout that is not installed: the package maps models/ and kernel_cache/ into mirage_serve; a
+# symlinked copy of the tree does the same for this process and the worker processes it spawns
+if ! python3 -P -c 'import mirage_serve.models, mirage_serve.kernel_cache' 2>/dev/null; then
+  rm -rf /tmp/msrc && mkdir -p /tmp/msrc/mirage_serve && cp -rs "$PWD"/mirage_serve/. /tmp/msrc/mirage_serve/
+  ln -sfn "$PWD/models" /tmp/msrc/mirage_serve/models && ln -sfn "$PWD/kernel_cache" /tmp/msrc/mirage_serve/kernel_cache
+  export PYTHONPATH=/tmp/msrc${PYTHONPATH:+:$PYTHONPATH}
+fi
 cat > /tmp/tiny-llama/config.json <<'JSON'
 {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
  "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
@@ -17,7 +32,7 @@ JSON
 args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 30 --patience 8 --tune-budget 40 --jobs 8)
 [ $# -gt 0 ] && args=("$@")
 # SIGINT at the limit: build-cache stops, keeps what it built and still prints its report (SIGKILL 60 s later)
-timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
+timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -P -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
   -v build-cache /tmp/tiny-llama --no-package --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
 rc=$?
 echo "build-cache exit $rc"
