@@ -33,7 +33,7 @@ args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --t
 [ $# -gt 0 ] && args=("$@")
 # SIGINT at the limit: build-cache stops, keeps what it built and still prints its report (SIGKILL 60 s later)
 timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -P -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
-  -v build-cache /tmp/tiny-llama --no-package --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
+  -v build-cache /tmp/tiny-llama $([ -z "${SEEDED:-}" ] && echo --no-package) --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
 rc=$?
 echo "build-cache exit $rc"
 grep "mirage_serve.cmd_build_cache" "$OUT/build-cache.log" | tail -12

@@ -481,10 +481,11 @@ def seeds_for(family_seeds: list[Any] | None, spec_seeds: list[Any] | None, cach
 def cache_seeds(cache: Any, kind: tuple) -> list[Any]:
     """The distinct structures of the cache's usable entries (user cache, then the package's) of the
     spec kind ``kind`` (:func:`spec_kind`): a model built earlier into the same cache seeds the
-    searches of the next one. Every seed is re-instantiated and verified afresh at the new shapes;
-    an entry that fails the cache's checks is skipped here as it is everywhere."""
+    searches of the next one. Every seed is re-instantiated and verified afresh at the new shapes, so
+    entries of other codegen or Triton versions (the package's, built with another Triton) seed it too;
+    an entry that fails any other check is skipped here as it is everywhere."""
     try:
-        entries = cache.entries(specs={kind[0]})
+        entries = cache.entries(specs={kind[0]}, include_stale=True)
     except Exception as e:  # an unreadable cache directory: no seeds, the searches run in full
         log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
         return []

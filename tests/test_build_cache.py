@@ -326,6 +326,31 @@ def test_entries_already_in_the_cache_seed_another_models_build(capsys, tmp_path
     assert len(KernelCache(cache_dir, readonly_dirs=()).entries(specs={"rmsnorm_linear"})) == 2
 
 
+def test_entries_of_another_triton_version_still_seed_the_search(tmp_path):
+    """The package's entries are built with one Triton; on a machine with another they are stale
+    (their code is not run), but their μGraphs still seed build-cache's searches: seeds are
+    re-instantiated and verified afresh, so nothing of the stale entry is trusted."""
+    from mirage_serve.cache import CacheEntry, CacheKey, KernelCache
+    from mirage_serve.cache.entry import checksum_of
+    from mirage_serve.specs import build_spec
+    from mirage_serve.verify import verify_equivalent
+    from tests.handwritten import fused_rmsnorm_linear
+
+    pkg = tmp_path / "pkg"
+    (pkg / "entries").mkdir(parents=True)
+    key = CacheKey("rmsnorm_linear", {"batch": 4, "hidden": 256, "out": 32}, "float32", "unprofiled", options={"eps": 1e-5})
+    graph = fused_rmsnorm_linear(4, 256, 32, n_blocks=4, loop=4, eps=1e-5)
+    cert = verify_equivalent(graph, build_spec("rmsnorm_linear", key.dims_dict, "float32", eps=1e-5), trials=2)
+    obj = CacheEntry.create(key, graph, certificate=cert, params={}, timings={}).to_obj()
+    obj["key"]["triton_version"] = "0.0.1"
+    obj["checksum"] = checksum_of(obj)
+    (pkg / "entries" / CacheKey.from_obj(obj["key"]).filename).write_text(json.dumps(obj))
+    cache = KernelCache(tmp_path / "user", readonly_dirs=(pkg,))
+    assert cache.entries() == []
+    assert cmd_build_cache.cache_seeds(cache, ("rmsnorm_linear", "float32", (("eps", 1e-5),))) == [graph]
+    assert cmd_build_cache.cache_seeds(cache, ("rmsnorm_linear", "float32", (("eps", 1e-6),))) == []
+
+
 def test_a_run_that_finds_everything_cached_reads_no_seeds(capsys, tmp_path, monkeypatch):
     def fake_build(item, cache, arch, opts, seeds=None):
         return cmd_build_cache.ItemResult(item, "cached", verified=True)

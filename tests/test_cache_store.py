@@ -352,3 +352,28 @@ def test_from_obj_allow_stale_reads_an_entry_built_for_another_triton():
     assert err.value.stale
     e = CacheEntry.from_obj(obj, allow_stale=True)
     assert e.key.triton_version == "0.0.1" and e.graph is not None
+
+
+def test_entries_include_stale_lists_other_triton_entries_after_usable_ones(cache, tmp_path):
+    """Entries of another Triton version are never usable (``entries()``, ``lookup``), but their
+    μGraphs may seed a search: ``include_stale`` lists them after the usable ones; the schema and
+    checksum checks still apply, so a modified stale file is left out."""
+    from mirage_serve.cache.entry import checksum_of
+
+    good = cache.put(make_entry())
+    obj = make_entry("sm80").to_obj()
+    obj["key"]["triton_version"] = "0.0.1"
+    obj["checksum"] = checksum_of(obj)
+    stale_key = CacheKey.from_obj(obj["key"])
+    (good.parent / stale_key.filename).write_text(json.dumps(obj))
+    bad_key_obj = dict(obj["key"], gpu_arch="sm89")
+    bad = dict(obj, key=bad_key_obj)  # stale too, but its checksum no longer matches
+    (good.parent / CacheKey.from_obj(bad_key_obj).filename).write_text(json.dumps(bad))
+
+    assert [e.key for e in cache.entries()] == [make_key()]
+    listed = cache.entries(include_stale=True)
+    assert [e.key.triton_version for e in listed] == [make_key().triton_version, "0.0.1"]
+    assert listed[1].graph is not None
+    states = {i.path.name: (i.state, i.entry is not None) for i in cache.scan(stale_entries=True)}
+    assert states[stale_key.filename] == ("stale", True)
+    assert states[CacheKey.from_obj(bad_key_obj).filename] == ("corrupt", False)

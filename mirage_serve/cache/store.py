@@ -179,14 +179,16 @@ def _read_entry_file(path: Path) -> tuple[bytes, os.stat_result]:
         os.close(fd)
 
 
-def load_entry_file(path: Path, *, deep: bool = True) -> CacheEntry:
+def load_entry_file(path: Path, *, deep: bool = True, allow_stale: bool = False) -> CacheEntry:
     """Read and check one entry file; its name must be its key's file name.
 
     Raises :class:`EntryRejected` with the reason (``stale`` set for entries of
     other versions), or ``OSError`` if the file cannot be read at all.
+    ``allow_stale``: accept entries of other codegen or Triton versions (see
+    :meth:`CacheEntry.from_obj`); their code is never run from the cache.
     """
     data, _ = _read_entry_file(path)
-    entry = CacheEntry.from_obj(parse_entry_json(data), deep=deep)
+    entry = CacheEntry.from_obj(parse_entry_json(data), deep=deep, allow_stale=allow_stale)
     if entry.key.filename != path.name:
         raise EntryRejected(f"the key in the file ({entry.key.describe()}) hashes to {entry.key.filename}, not to the file's name")
     return entry
@@ -394,9 +396,10 @@ class KernelCache:
             (rej / (dest.name + ".reason")).write_text(reason + "\n", encoding="utf-8")
         return dest
 
-    def scan(self, specs: Iterable[str] | None = None) -> list[ScanItem]:
+    def scan(self, specs: Iterable[str] | None = None, *, stale_entries: bool = False) -> list[ScanItem]:
         """Every file in every cache directory, checked (nothing is moved or changed).
-        ``specs``: only the entry files of these specs (named ``<spec>-<hash>.json``), nothing else."""
+        ``specs``: only the entry files of these specs (named ``<spec>-<hash>.json``), nothing else.
+        ``stale_entries``: a stale item also carries its entry where it passes every other check."""
         wanted = None if specs is None else set(specs)
         items: list[ScanItem] = []
         for d in self._dirs:
@@ -412,7 +415,13 @@ class KernelCache:
                     try:
                         items.append(ScanItem(p, d.location, "ok", load_entry_file(p)))
                     except EntryRejected as e:
-                        items.append(ScanItem(p, d.location, "stale" if e.stale else "corrupt", reason=e.reason))
+                        entry = None
+                        if e.stale and stale_entries:
+                            try:
+                                entry = load_entry_file(p, allow_stale=True)
+                            except (EntryRejected, OSError):
+                                pass
+                        items.append(ScanItem(p, d.location, "stale" if e.stale else "corrupt", entry, reason=e.reason))
                     except OSError as e:
                         items.append(ScanItem(p, d.location, "corrupt", reason=f"unreadable: {e}"))
             rej = d.root / REJECTED
@@ -425,13 +434,16 @@ class KernelCache:
                     items.append(ScanItem(p, d.location, "rejected", reason=reason))
         return items
 
-    def entries(self, specs: Iterable[str] | None = None) -> list[CacheEntry]:
+    def entries(self, specs: Iterable[str] | None = None, *, include_stale: bool = False) -> list[CacheEntry]:
         """All usable entries (user cache first; a key in both is listed once, from the user cache);
-        ``specs``: only those of these spec names."""
+        ``specs``: only those of these spec names. ``include_stale``: entries of other codegen or
+        Triton versions too (after the usable ones), for what does not run their code: their μGraphs
+        as search seeds, which are verified afresh."""
         seen: set[str] = set()
         out = []
-        for item in self.scan(specs):
-            if item.state == "ok" and item.entry is not None and item.entry.key.digest not in seen:
+        items = self.scan(specs, stale_entries=include_stale)
+        for item in [i for i in items if i.state == "ok"] + [i for i in items if i.state == "stale"]:
+            if item.entry is not None and item.entry.key.digest not in seen:
                 seen.add(item.entry.key.digest)
                 out.append(item.entry)
         return out
