@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(only=command).parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    # -v: each line with its wall-clock time, so a long build's log says where the time went
+    fmt = ("%(asctime)s " if args.verbose else "") + "%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format=fmt, datefmt="%H:%M:%S")
     if args.command is None:
         build_parser(only="").print_help()
         return 2

@@ -224,6 +224,36 @@ class BuildOptions:
     tune_budget_s: float = 60.0  # on a GPU: seconds of codegen-parameter search per kernel (0: default parameters)
     tune_graphs: int = 3  # the fastest ranked μGraphs whose parameters are searched
     tune_reps: int = 30  # timed replays per tuning point
+    tune_pools: Any = None  # TunePools shared by every kernel of a run (None: each search starts its own)
+
+
+class TunePools:
+    """The compile workers and the measuring process of the codegen-parameter search, started at the
+    first kernel tuned and kept for the rest of the run: each start costs seconds (the spawned
+    processes import torch and Triton and open a CUDA context). At least two compile workers, so no
+    point compiles and launches in the build's own process. :meth:`close` ends them; a search that
+    is interrupted or fails kills them, and the next kernel starts new ones."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = max(2, jobs)
+        self.precompiler: Any = None
+        self.measurer: Any = None
+
+    def get(self) -> tuple[Any, Any]:
+        if self.precompiler is None:
+            precompiler, measurer = _require("tune", "mirage_serve.tune.search", "Precompiler", "Measurer")
+            self.precompiler, self.measurer = precompiler(self.jobs, device="cuda"), measurer("cuda")
+        return self.precompiler, self.measurer
+
+    def close(self, kill: bool = False) -> None:
+        """End the processes (``kill``: the measuring process may be running a point that never returns)."""
+        pre, meas, self.precompiler, self.measurer = self.precompiler, self.measurer, None, None
+        try:
+            if pre is not None:
+                pre.close()
+        finally:
+            if meas is not None:
+                meas.close(kill=kill)
 
 
 def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
@@ -256,8 +286,7 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN` (or
     when no default point was timed), else that default point; None when no point passed.
     ``details["tuned"]`` says which."""
-    candidate, precompiler, measurer, tune, trial_cls, first_round = _require(
-        "tune", "mirage_serve.tune.search", "Candidate", "Precompiler", "Measurer", "tune", "Trial", "first_round")
+    candidate, tune, trial_cls, first_round = _require("tune", "mirage_serve.tune.search", "Candidate", "tune", "Trial", "first_round")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
     (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
     from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
@@ -267,20 +296,18 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     cands = [candidate(f"graph{i}", r.graph, variable_dims=variable) for i, r in enumerate(ranked[: max(1, opts.tune_graphs)])]
     round1 = [trial_cls(c, {}, 1) for c in cands] + first_round(cands)
     t0 = time.perf_counter()
-    pre = precompiler(max(2, opts.jobs), device="cuda")  # one worker would compile (and launch) in this process
-    meas = measurer("cuda")
+    pools = opts.tune_pools if opts.tune_pools is not None else TunePools(opts.jobs)
     stuck = True  # left by an exception (an interrupt while a point hangs, too): the measuring process is killed, not awaited
     try:
+        pre, meas = pools.get()
         deadline = time.time() + opts.tune_budget_s
         pre.compile(round1)
         res = tune(cands, spec, device="cuda", reps=opts.tune_reps, top=2, precompiler=pre, precompiled=round1,
                    deadline=deadline, measurer=meas)
         stuck = False
     finally:
-        try:
-            pre.close()
-        finally:
-            meas.close(kill=stuck)
+        if stuck or pools is not opts.tune_pools:
+            pools.close(kill=stuck)
     best = res.best
     default = min((t for t in res.trials if not t.params and math.isfinite(t.time_us)), key=lambda t: t.time_us, default=None)
     timed = [t for t in res.trials if math.isfinite(t.time_us)]
@@ -877,6 +904,8 @@ def run(args: argparse.Namespace) -> int:
         # on a GPU several verified seeds are worth profiling; on CPU the cost model's best is the one kept anyway
         opts = BuildOptions(time_budget_s=args.time_budget, jobs=args.jobs, rebuild=args.rebuild, patience_s=args.patience or None,
                             seeded_verified=3 if arch != "unprofiled" else 1, tune_budget_s=max(0.0, args.tune_budget))
+        if arch != "unprofiled" and opts.tune_budget_s > 0:
+            opts.tune_pools = TunePools(args.jobs)
         seeds: dict[tuple, list[Any]] = {}  # family -> structures verified at its first bucket
         spec_seeds: dict[tuple, list[Any]] = {}  # (spec, dtype, options) -> structures verified in any family
         unfusable: dict[tuple, str] = {}  # (spec, dtype, options) -> the kernel whose search found no fused form
@@ -916,6 +945,8 @@ def run(args: argparse.Namespace) -> int:
             log.warning("interrupted: entries built so far are in the cache; run the same command again to resume")
         finally:
             bar.close()
+            if opts.tune_pools is not None:
+                opts.tune_pools.close()
 
     total = time.perf_counter() - t_start
     counts = {s: sum(r.status == s for r in results) for s in ("planned", "cached", "built", "original", "failed")}

@@ -469,7 +469,7 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
 
 
 def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str, tune_error: Exception | None = None,
-               spills=lambda params: 0):
+               spills=lambda params: 0, events: list | None = None):
     """build-cache for one RMSNorm->QKV bucket "on a GPU" whose profiling is replaced by ``stand_in(graph, params)``
     (µs), over two verified graphs of 2 and 4 blocks; returns (exit code, the item's report, the entry written)."""
     import mirage_serve.tune as tune_mod
@@ -490,6 +490,16 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
         return sorted((tune_mod.Ranked(g, None, stand_in(g, {}), True, True, {}) for g in graphs), key=lambda r: r.time_us)
 
     class Compiled(search.Precompiler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if events is not None:
+                events.append("start")
+
+        def close(self):
+            if events is not None:
+                events.append("close")
+            super().close()
+
         def compile(self, trials):
             if tune_error is not None:
                 raise tune_error
@@ -508,6 +518,9 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     rc, report = run_json(capsys, str(model), "--only", "attn_norm_qkv", "--batch-sizes", "2", "--cache-dir", str(tmp_path / cache),
                           "--no-package", "--time-budget", "5", *extra)
+    if events is not None:
+        events.append(report)
+        return rc, None, None
     (r,) = report["results"]
     paths = list((tmp_path / cache).rglob("entries/*.json"))
     return rc, r, CacheEntry.from_obj(json.loads(paths[0].read_text())) if len(paths) == 1 else None
@@ -566,3 +579,31 @@ def test_default_points_that_spill_do_not_void_the_search(capsys, tmp_path, monk
     rc, r, entry = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", spills=lambda params: 0 if params else 512)
     assert rc == 0 and r["details"]["tuned"]["kept"].startswith("tuned (no default-parameter point was timed")
     assert _blocks(entry.graph) == 2 and entry.params and entry.timings["time_us"] == pytest.approx(18.0)
+
+
+def test_the_search_processes_are_started_once_for_all_kernels_of_a_run(capsys, tmp_path, monkeypatch):
+    """Starting the compile workers and the measuring process costs seconds (torch, Triton, a CUDA
+    context): one run starts them at its first tuned kernel, keeps them for the next, and ends them."""
+
+    def stand_in(graph, params):
+        return 20.0 + _blocks(graph) - (2.0 if params.get("num_warps") == 8 else 0.0) + (50.0 if not graph.customized_ops else 0.0)
+
+    events: list = []
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", "--batch-sizes", "2,4", events=events)
+    report = events.pop()
+    assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"], report["results"]
+    assert all(r["details"]["tuned"]["kept"] == "tuned" for r in report["results"])
+    assert events == ["start", "close"]
+
+
+def test_a_failed_search_ends_the_shared_processes_and_the_next_kernel_starts_new_ones(capsys, tmp_path, monkeypatch):
+    def stand_in(graph, params):
+        return 20.0 + _blocks(graph) + (50.0 if not graph.customized_ops else 0.0)
+
+    events: list = []
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", "--batch-sizes", "2,4", events=events,
+                          tune_error=OSError("no process could be started"))
+    report = events.pop()
+    assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"]
+    assert all("OSError" in r["details"]["tuned"]["error"] for r in report["results"])
+    assert events == ["start", "close", "start", "close"]
