@@ -627,6 +627,15 @@ def record_no_fusion(cache: Any, key: Any, time_budget_s: float, message: str) -
         log.warning("could not record the search outcome in %s (%s); a second run searches again", path.parent, e)
 
 
+def _profiled_order(rank_candidates: Any, graphs: list[Any], device: str, spec: Any) -> list[Any]:
+    """``graphs`` ranked at default parameters (profiled on a GPU, else by the cost model), those that
+    pass their float check, fastest first."""
+    ranked = [r for r in rank_candidates(graphs, device=device, spec=spec) if r.passed and math.isfinite(r.time_us)]
+    if not ranked:
+        raise StepError("tune", "every candidate failed its float check while profiling")
+    return ranked
+
+
 def build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds: list[Any] | None = None) -> ItemResult:
     """Run one work item through lookup -> search (or seeded re-instantiation) -> verify -> codegen -> tune -> write.
 
@@ -717,17 +726,20 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
                      item.name, len(compilable) - len(safe), len(compilable), len(safe))
             compilable = safe
 
-        # tune: GPU profile when available, else the analytical cost model (unprofiled)
+        # tune: GPU profile when available, else the analytical cost model (unprofiled); on a GPU the
+        # codegen-parameter search follows. When it takes every candidate, it measures each at its
+        # default parameters itself (compiled in parallel, timed in its own process), so the
+        # candidates are only put in cost-model order first; the in-process profile ranks them when
+        # there are more, and whenever the parameter search has no result.
         (rank_candidates,) = _require("tune", "mirage_serve.tune", "rank_candidates")
         device = "cuda" if arch != "unprofiled" else "cpu"
-        ranked = rank_candidates([f.graph for f in compilable], device=device, spec=spec)
-        ranked = [r for r in ranked if r.passed and math.isfinite(r.time_us)]
-        if not ranked:
-            raise StepError("tune", "every candidate failed its float check while profiling")
-        best = ranked[0]
-        if best.profiled and opts.tune_budget_s > 0:
+        graphs = [f.graph for f in compilable]
+        tuning = device == "cuda" and opts.tune_budget_s > 0
+        ranked = None if tuning and len(graphs) <= max(1, opts.tune_graphs) else _profiled_order(rank_candidates, graphs, device, spec)
+        best = None
+        if tuning:
             try:
-                tuned = tune_params(ranked, spec, sg.spec_name, opts)
+                tuned = tune_params(ranked or rank_candidates(graphs, device="cpu", spec=spec), spec, sg.spec_name, opts)
             except Exception as e:  # tuning is optional: the profiled default-parameter winner still stands
                 log.warning("%s: the parameter search failed (%s: %s); keeping default parameters", item.describe(), type(e).__name__, e)
                 tuned, details["tuned"] = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -735,6 +747,9 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
                 best, details["tuned"] = tuned, tuned.details["tuned"]
             elif "tuned" not in details:
                 details["tuned"] = {"kept": "default parameters of the ranking (no point passed in the parameter search)"}
+        if ranked is None:
+            ranked = _profiled_order(rank_candidates, graphs, device, spec) if best is None else []
+        best = best or ranked[0]
         chosen = next(f for f in compilable if f.graph is best.graph)
         baseline = rank_candidates([spec], device=device, spec=spec)[0]
         speedup = baseline.time_us / best.time_us if math.isfinite(baseline.time_us) and best.time_us > 0 else None
@@ -748,7 +763,7 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         details["origin"] = chosen.origin
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
-                          details=details, graphs=distinct_structures([r.graph for r in ranked]),
+                          details=details, graphs=distinct_structures([best.graph] + [r.graph for r in ranked] + graphs),
                           rows=certificate_rows(chosen.certificate))
     except NoFusedForm as e:
         record_no_fusion(cache, key, opts.time_budget_s, str(e))

@@ -469,7 +469,7 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
 
 
 def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str, tune_error: Exception | None = None,
-               spills=lambda params: 0, events: list | None = None):
+               spills=lambda params: 0, events: list | None = None, blocks=(2, 4)):
     """build-cache for one RMSNorm->QKV bucket "on a GPU" whose profiling is replaced by ``stand_in(graph, params)``
     (µs), over two verified graphs of 2 and 4 blocks; returns (exit code, the item's report, the entry written)."""
     import mirage_serve.tune as tune_mod
@@ -480,12 +480,16 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
     from tests.handwritten import fused_rmsnorm_linear
 
     spec = build_spec("rmsnorm_linear", {"batch": 2, "hidden": 64, "out": 128}, "float32", eps=1e-5)
-    graphs = [fused_rmsnorm_linear(2, 64, 128, n_blocks=nb, loop=2, eps=1e-5) for nb in (2, 4)]
+    graphs = [fused_rmsnorm_linear(2, 64, 128, n_blocks=nb, loop=2, eps=1e-5) for nb in blocks]
     found = [cmd_build_cache.Found(g, verify_equivalent(g, spec, trials=2), "search") for g in graphs]
     monkeypatch.setattr(cmd_build_cache, "searched_candidates", lambda spec, config, opts: (found, {}))
     monkeypatch.setattr(cmd_build_cache, "current_arch", lambda: "sm90")
 
     def rank(graphs, params_grid=None, device=None, *, spec=None, **kw):
+        if events is not None:
+            events.append(f"rank {device} {len(graphs)}")
+        if device == "cpu":  # the cost model: the opposite order of the stand-in's, so only measured times decide
+            return sorted((tune_mod.Ranked(g, None, 100.0 - stand_in(g, {}), False, True, {}) for g in graphs), key=lambda r: r.time_us)
         assert device == "cuda"
         return sorted((tune_mod.Ranked(g, None, stand_in(g, {}), True, True, {}) for g in graphs), key=lambda r: r.time_us)
 
@@ -593,7 +597,10 @@ def test_the_search_processes_are_started_once_for_all_kernels_of_a_run(capsys, 
     report = events.pop()
     assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"], report["results"]
     assert all(r["details"]["tuned"]["kept"] == "tuned" for r in report["results"])
-    assert events == ["start", "close"]
+    assert [e for e in events if not e.startswith("rank")] == ["start", "close"]
+    # both verified graphs went to the parameter search, which measured them at default parameters itself: only
+    # the cost model put them in order, and only the unfused spec (the speed-up's baseline) was profiled in-process
+    assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 1"] * 2
 
 
 def test_a_failed_search_ends_the_shared_processes_and_the_next_kernel_starts_new_ones(capsys, tmp_path, monkeypatch):
@@ -606,4 +613,23 @@ def test_a_failed_search_ends_the_shared_processes_and_the_next_kernel_starts_ne
     report = events.pop()
     assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"]
     assert all("OSError" in r["details"]["tuned"]["error"] for r in report["results"])
-    assert events == ["start", "close", "start", "close"]
+    assert [e for e in events if not e.startswith("rank")] == ["start", "close", "start", "close"]
+    # without a parameter search's result the graphs are profiled in-process at default parameters
+    assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 2", "rank cuda 1"] * 2
+
+
+def test_more_verified_graphs_than_the_search_takes_are_profiled_to_pick_them(capsys, tmp_path, monkeypatch):
+    """Four verified graphs, three searched: the in-process profile at default parameters picks the three
+    (the 16-block graph, slowest there, is left out even though 8 warps would help it most)."""
+
+    def stand_in(graph, params):
+        if not graph.customized_ops:
+            return 70.0
+        return 20.0 + _blocks(graph) - (20.0 if params.get("num_warps") == 8 and _blocks(graph) == 16 else 0.0)
+
+    events: list = []
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", events=events, blocks=(1, 2, 4, 16))
+    (r,) = events.pop()["results"]
+    assert rc == 0 and r["status"] == "built" and r["details"]["tuned"]["graphs"] == 3
+    assert r["details"]["tuned"]["default_us"] == 21.0
+    assert [e for e in events if e.startswith("rank")] == ["rank cuda 4", "rank cuda 1"]
