@@ -3,7 +3,8 @@
 # verification, ranking by profiling and the codegen-parameter search (--tune-budget), into a fresh cache
 # under $OUT. Writes $OUT/build-cache.json (the command's --json report), build-cache.log and a summary of
 # each kernel's tuned parameters against its default-parameter time.
-# Usage (GPU machine): bash benchmarks/build_cache_gpu.sh [build-cache args replacing the default slice below]
+# Usage (GPU machine): [SEEDED=1] bash benchmarks/build_cache_gpu.sh [build-cache args replacing the default slice below]
+# (SEEDED=1 keeps the entries shipped with mirage-serve, which then seed the searches; by default --no-package)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -16,13 +17,12 @@ if ls .whl/build/*.whl >/dev/null 2>&1; then
     typing-extensions tqdm filelock 2>&1 | grep -v -i warning | tail -3
   python3 -c 'from egglog.bindings import EGraph' || echo "egglog does not import: build-cache's search will fail"
 fi
-# from a source checkout that is not installed: the package maps models/ and kernel_cache/ into mirage_serve; a
-# symlinked copy of the tree does the same for this process and the worker processes it spawns
-if ! python3 -P -c 'import mirage_serve.models, mirage_serve.kernel_cache' 2>/dev/null; then
-  rm -rf /tmp/msrc && mkdir -p /tmp/msrc/mirage_serve && cp -rs "$PWD"/mirage_serve/. /tmp/msrc/mirage_serve/
-  ln -sfn "$PWD/models" /tmp/msrc/mirage_serve/models && ln -sfn "$PWD/kernel_cache" /tmp/msrc/mirage_serve/kernel_cache
-  export PYTHONPATH=/tmp/msrc${PYTHONPATH:+:$PYTHONPATH}
-fi
+# this checkout, installed or not: the package maps models/ and kernel_cache/ into mirage_serve; a symlinked copy
+# of the tree does the same for this process and the worker processes it spawns (python3 -P: not the cwd's copy)
+rm -rf /tmp/msrc && mkdir -p /tmp/msrc/mirage_serve && cp -rs "$PWD"/mirage_serve/. /tmp/msrc/mirage_serve/
+ln -sfn "$PWD/models" /tmp/msrc/mirage_serve/models && ln -sfn "$PWD/kernel_cache" /tmp/msrc/mirage_serve/kernel_cache
+export PYTHONPATH=/tmp/msrc${PYTHONPATH:+:$PYTHONPATH}
+python3 -P -c 'import mirage_serve; print("mirage_serve from", mirage_serve.__file__)'
 cat > /tmp/tiny-llama/config.json <<'JSON'
 {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
  "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
@@ -33,7 +33,7 @@ args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --t
 [ $# -gt 0 ] && args=("$@")
 # SIGINT at the limit: build-cache stops, keeps what it built and still prints its report (SIGKILL 60 s later)
 timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -P -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
-  -v build-cache /tmp/tiny-llama $([ -z "${SEEDED:-}" ] && echo --no-package) --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
+  -v build-cache /tmp/tiny-llama $([ "${SEEDED:-0}" = 1 ] || echo --no-package) --cache-dir "$OUT/cache" --json "${args[@]}" > "$OUT/build-cache.json" 2> "$OUT/build-cache.log"
 rc=$?
 echo "build-cache exit $rc"
 grep "mirage_serve.cmd_build_cache" "$OUT/build-cache.log" | tail -12

@@ -246,14 +246,15 @@ class TunePools:
         return self.precompiler, self.measurer
 
     def close(self, kill: bool = False) -> None:
-        """End the processes (``kill``: the measuring process may be running a point that never returns)."""
+        """End the processes (``kill``: terminate them, for a point that may never return: a
+        compile's test launch or a measurement)."""
         pre, meas, self.precompiler, self.measurer = self.precompiler, self.measurer, None, None
         try:
-            if pre is not None:
-                pre.close()
-        finally:
             if meas is not None:
                 meas.close(kill=kill)
+        finally:
+            if pre is not None:
+                pre.close(kill=kill)
 
 
 def _certificate_of(candidate: Any, spec: Any, opts: BuildOptions) -> Any:
@@ -273,7 +274,7 @@ def _verdict(cert: Any) -> str | None:
 TUNE_MIN_GAIN = 0.02
 
 
-def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> Any | None:
+def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> tuple[Any | None, list[Any]]:
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
     default parameters) within ``opts.tune_budget_s`` from the start of the search; the first round
@@ -285,7 +286,7 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
     one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN` (or
     when no default point was timed), else that default point; None when no point passed.
-    ``details["tuned"]`` says which."""
+    ``details["tuned"]`` says which. Beside it, the graphs that had a point pass, fastest first."""
     candidate, tune, trial_cls, first_round = _require("tune", "mirage_serve.tune.search", "Candidate", "tune", "Trial", "first_round")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
     (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
@@ -311,10 +312,11 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     best = res.best
     default = min((t for t in res.trials if not t.params and math.isfinite(t.time_us)), key=lambda t: t.time_us, default=None)
     timed = [t for t in res.trials if math.isfinite(t.time_us)]
+    measured = list({id(t.candidate.graph): t.candidate.graph for t in sorted(timed, key=lambda t: t.time_us)}.values())
     info: dict[str, Any] = {"points": len(res.trials), "passed": len(timed), "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1)}
     if best is None:
         log.info("tuning: no point passed (%s)", info)
-        return None
+        return None, []
     if default is None:  # the default points failed, or spilled registers and were skipped for a spill-free point
         win, info["kept"] = best, "tuned (no default-parameter point was timed: failed, or skipped for spilling registers)"
     elif best is not default and best.time_us < default.time_us * (1 - TUNE_MIN_GAIN):
@@ -326,7 +328,7 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     info["params"] = params = codegen_params.from_dict(dict(win.params)).cache_params()  # the non-default knobs
     info["time_us"] = round(win.time_us, 3)
     log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", len(res.trials), len(cands), info["seconds"], info)
-    return ranked_cls(win.candidate.graph, params, win.time_us, True, True, {**win.result, "tuned": info})
+    return ranked_cls(win.candidate.graph, params, win.time_us, True, True, {**win.result, "tuned": info}), measured
 
 
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
@@ -736,10 +738,10 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         graphs = [f.graph for f in compilable]
         tuning = device == "cuda" and opts.tune_budget_s > 0
         ranked = None if tuning and len(graphs) <= max(1, opts.tune_graphs) else _profiled_order(rank_candidates, graphs, device, spec)
-        best = None
+        best, measured = None, []
         if tuning:
             try:
-                tuned = tune_params(ranked or rank_candidates(graphs, device="cpu", spec=spec), spec, sg.spec_name, opts)
+                tuned, measured = tune_params(ranked or rank_candidates(graphs, device="cpu", spec=spec), spec, sg.spec_name, opts)
             except Exception as e:  # tuning is optional: the profiled default-parameter winner still stands
                 log.warning("%s: the parameter search failed (%s: %s); keeping default parameters", item.describe(), type(e).__name__, e)
                 tuned, details["tuned"] = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -763,7 +765,7 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         details["origin"] = chosen.origin
         return ItemResult(item, "built", verified=True, speedup=speedup, profiled=best.profiled,
                           seconds=time.perf_counter() - t0, entry_id=entry.key.entry_id, candidates=len(compilable),
-                          details=details, graphs=distinct_structures([best.graph] + [r.graph for r in ranked] + graphs),
+                          details=details, graphs=distinct_structures([best.graph] + ([r.graph for r in ranked] if ranked else measured)),
                           rows=certificate_rows(chosen.certificate))
     except NoFusedForm as e:
         record_no_fusion(cache, key, opts.time_budget_s, str(e))

@@ -469,7 +469,7 @@ def test_an_attention_bucket_too_large_to_evaluate_is_verified_on_fewer_rows(cap
 
 
 def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str, tune_error: Exception | None = None,
-               spills=lambda params: 0, events: list | None = None, blocks=(2, 4)):
+               spills=lambda params: 0, events: list | None = None, blocks=(2, 4), passes: bool = True, tune_passes: bool = True):
     """build-cache for one RMSNorm->QKV bucket "on a GPU" whose profiling is replaced by ``stand_in(graph, params)``
     (µs), over two verified graphs of 2 and 4 blocks; returns (exit code, the item's report, the entry written)."""
     import mirage_serve.tune as tune_mod
@@ -491,7 +491,9 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
         if device == "cpu":  # the cost model: the opposite order of the stand-in's, so only measured times decide
             return sorted((tune_mod.Ranked(g, None, 100.0 - stand_in(g, {}), False, True, {}) for g in graphs), key=lambda r: r.time_us)
         assert device == "cuda"
-        return sorted((tune_mod.Ranked(g, None, stand_in(g, {}), True, True, {}) for g in graphs), key=lambda r: r.time_us)
+        ok = [passes or not g.customized_ops for g in graphs]  # ``passes`` False: every fused graph fails its float check
+        return sorted((tune_mod.Ranked(g, None, stand_in(g, {}) if p else math.inf, True, p, {}) for g, p in zip(graphs, ok)),
+                      key=lambda r: (not r.passed, r.time_us))
 
     class Compiled(search.Precompiler):
         def __init__(self, *a, **kw):
@@ -499,10 +501,10 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
             if events is not None:
                 events.append("start")
 
-        def close(self):
+        def close(self, kill=False):
             if events is not None:
-                events.append("close")
-            super().close()
+                events.append("close kill" if kill else "close")
+            super().close(kill)
 
         def compile(self, trials):
             if tune_error is not None:
@@ -512,7 +514,9 @@ def _gpu_build(capsys, tmp_path, monkeypatch, stand_in, cache: str, *extra: str,
 
     class InProcess(search.Measurer):  # the stand-in profiler lives in this process
         def measure(self, trial, spec, reps):
-            return profile.ProfileResult(True, 1e-3, 0.02, median_us=stand_in(trial.candidate.graph, trial.params)).to_dict()
+            if events is not None:
+                events.append("measure")
+            return profile.ProfileResult(passes and tune_passes, 1e-3, 0.02, median_us=stand_in(trial.candidate.graph, trial.params)).to_dict()
 
     monkeypatch.setattr(tune_mod, "rank_candidates", rank)
     monkeypatch.setattr(search, "Precompiler", Compiled)
@@ -593,11 +597,17 @@ def test_the_search_processes_are_started_once_for_all_kernels_of_a_run(capsys, 
         return 20.0 + _blocks(graph) - (2.0 if params.get("num_warps") == 8 else 0.0) + (50.0 if not graph.customized_ops else 0.0)
 
     events: list = []
+    seeded = []
+    real_seeded = cmd_build_cache.seeded_candidates
+    monkeypatch.setattr(cmd_build_cache, "seeded_candidates", lambda seeds, *a, **kw: seeded.append(seeds) or real_seeded(seeds, *a, **kw))
     rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", "--batch-sizes", "2,4", events=events)
     report = events.pop()
     assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"], report["results"]
+    # the second bucket is seeded with the first's structure as its fastest measured graph has it (the 2-block one;
+    # both graphs share one structure, and the cost model had the 4-block graph first)
+    assert [[_blocks(g) for g in seeds] for seeds in seeded] == [[2]]
     assert all(r["details"]["tuned"]["kept"] == "tuned" for r in report["results"])
-    assert [e for e in events if not e.startswith("rank")] == ["start", "close"]
+    assert [e for e in events if e in ("start", "close", "close kill")] == ["start", "close"]
     # both verified graphs went to the parameter search, which measured them at default parameters itself: only
     # the cost model put them in order, and only the unfused spec (the speed-up's baseline) was profiled in-process
     assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 1"] * 2
@@ -613,7 +623,7 @@ def test_a_failed_search_ends_the_shared_processes_and_the_next_kernel_starts_ne
     report = events.pop()
     assert rc == 0 and [r["status"] for r in report["results"]] == ["built", "built"]
     assert all("OSError" in r["details"]["tuned"]["error"] for r in report["results"])
-    assert [e for e in events if not e.startswith("rank")] == ["start", "close", "start", "close"]
+    assert [e for e in events if e in ("start", "close", "close kill")] == ["start", "close kill", "start", "close kill"]
     # without a parameter search's result the graphs are profiled in-process at default parameters
     assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 2", "rank cuda 1"] * 2
 
@@ -633,3 +643,33 @@ def test_more_verified_graphs_than_the_search_takes_are_profiled_to_pick_them(ca
     assert rc == 0 and r["status"] == "built" and r["details"]["tuned"]["graphs"] == 3
     assert r["details"]["tuned"]["default_us"] == 21.0
     assert [e for e in events if e.startswith("rank")] == ["rank cuda 4", "rank cuda 1"]
+
+
+def test_a_search_where_no_point_passes_falls_back_to_the_in_process_profile(capsys, tmp_path, monkeypatch):
+    """Both graphs went to the parameter search unprofiled; no point passed there, so they are profiled
+    in-process at default parameters and the faster is written; where they fail that check too, the
+    kernel fails at the tune step and nothing is written."""
+
+    def stand_in(graph, params):
+        return 20.0 + _blocks(graph) + (50.0 if not graph.customized_ops else 0.0)
+
+    events: list = []
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", events=events, tune_passes=False)
+    (r,) = events.pop()["results"]
+    assert "measure" in events and rc == 0 and r["status"] == "built" and r["profiled"] is True
+    assert r["details"]["tuned"]["kept"].startswith("default parameters of the ranking")
+    assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 2", "rank cuda 1"]
+
+    events.clear()
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c2", events=events, passes=False)
+    (r,) = events.pop()["results"]
+    assert rc == 1 and r["status"] == "failed" and r["failed_step"] == "tune" and "float check" in r["message"]
+    assert not list((tmp_path / "c2").rglob("entries/*.json"))
+
+
+def test_an_interrupt_in_the_parameter_search_kills_the_shared_processes(capsys, tmp_path, monkeypatch):
+    events: list = []
+    rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, lambda g, p: 20.0, "c", events=events, tune_error=KeyboardInterrupt())
+    report = events.pop()
+    assert rc == 1 and report["results"] == []
+    assert [e for e in events if e in ("start", "close", "close kill")] == ["start", "close kill"]

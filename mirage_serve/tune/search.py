@@ -131,6 +131,7 @@ def _measure_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, 
                           variable_dims=variable_dims).to_dict()
     try:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the process lives on for later points (and kernels): hold no memory between them
     except Exception:  # an illegal access poisons the context for good: give the process back
         os._exit(3)
     return r
@@ -221,8 +222,12 @@ class Precompiler:
                 log.info("compile pool broke; %d point(s) compiled again in a new pool", len(pending))
                 self.close()
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Shut the workers down (``kill``: terminate them first, for a compile whose test launch does not return)."""
         if self._pool is not None:
+            if kill:
+                for proc in list(getattr(self._pool, "_processes", {}).values()):
+                    proc.kill()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
