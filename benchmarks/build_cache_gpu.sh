@@ -29,7 +29,7 @@ cat > /tmp/tiny-llama/config.json <<'JSON'
  "rms_norm_eps": 1e-5, "hidden_act": "silu", "vocab_size": 128, "torch_dtype": "bfloat16"}
 JSON
 # the default slice: two kernels at two batches and one KV length, short budgets (extra args override)
-args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 30 --patience 8 --tune-budget 40 --jobs 8)
+args=(--only attn_norm_qkv,attention_decode --batch-sizes 1,8 --kv-lens 1024 --time-budget 120 --patience 8 --tune-budget 40 --jobs 8)
 [ $# -gt 0 ] && args=("$@")
 # SIGINT at the limit: build-cache stops, keeps what it built and still prints its report (SIGKILL 60 s later)
 timeout -s INT -k 60 ${BUILD_TIMEOUT:-450} python3 -P -c 'import sys; from mirage_serve.cli import main; sys.exit(main(sys.argv[1:]))' \
