@@ -518,7 +518,13 @@ def cache_seeds(cache: Any, kind: tuple) -> list[Any]:
     except Exception as e:  # an unreadable cache directory: no seeds, the searches run in full
         log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
         return []
-    return distinct_structures([e.graph for e in entries if spec_kind(e.key.spec, e.key.dtype, e.key.options_dict) == kind])
+    entries = [e for e in entries if spec_kind(e.key.spec, e.key.dtype, e.key.options_dict) == kind]
+    stale = sum(e.key.stale_reason() is not None for e in entries)
+    if stale:
+        log.info("%d %s entries of the cache were built for another Triton or codegen version (%s): they are not used "
+                 "as they are, but their μGraphs seed the search and are verified afresh", stale, kind[0],
+                 next(e.key.stale_reason() for e in entries if e.key.stale_reason()))
+    return distinct_structures([e.graph for e in entries])
 
 
 def seeded_candidates(seeds: list[Any], spec: Any, config: Any, opts: BuildOptions, device: str, spec_name: str | None = None,

@@ -326,7 +326,7 @@ def test_entries_already_in_the_cache_seed_another_models_build(capsys, tmp_path
     assert len(KernelCache(cache_dir, readonly_dirs=()).entries(specs={"rmsnorm_linear"})) == 2
 
 
-def test_entries_of_another_triton_version_still_seed_the_search(tmp_path):
+def test_entries_of_another_triton_version_still_seed_the_search(tmp_path, caplog):
     """The package's entries are built with one Triton; on a machine with another they are stale
     (their code is not run), but their μGraphs still seed build-cache's searches: seeds are
     re-instantiated and verified afresh, so nothing of the stale entry is trusted."""
@@ -347,7 +347,9 @@ def test_entries_of_another_triton_version_still_seed_the_search(tmp_path):
     (pkg / "entries" / CacheKey.from_obj(obj["key"]).filename).write_text(json.dumps(obj))
     cache = KernelCache(tmp_path / "user", readonly_dirs=(pkg,))
     assert cache.entries() == []
-    assert cmd_build_cache.cache_seeds(cache, ("rmsnorm_linear", "float32", (("eps", 1e-5),))) == [graph]
+    with caplog.at_level("INFO", logger="mirage_serve.cmd_build_cache"):
+        assert cmd_build_cache.cache_seeds(cache, ("rmsnorm_linear", "float32", (("eps", 1e-5),))) == [graph]
+    assert "1 rmsnorm_linear entries of the cache were built for another Triton" in caplog.text and "triton 0.0.1" in caplog.text
     assert cmd_build_cache.cache_seeds(cache, ("rmsnorm_linear", "float32", (("eps", 1e-6),))) == []
 
 
