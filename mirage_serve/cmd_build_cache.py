@@ -41,6 +41,7 @@ import logging
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,7 +275,7 @@ def _verdict(cert: Any) -> str | None:
 TUNE_MIN_GAIN = 0.02
 
 
-def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> tuple[Any | None, list[Any]]:
+def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> tuple[Any | None, list[Any], dict[str, Any]]:
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
     :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
     default parameters) within ``opts.tune_budget_s`` from the start of the search; the first round
@@ -286,8 +287,10 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
     one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN` (or
     when no default point was timed), else that default point; None when no point passed.
-    ``details["tuned"]`` says which. Beside it, the graphs that had a point pass, fastest first."""
-    candidate, tune, trial_cls, first_round = _require("tune", "mirage_serve.tune.search", "Candidate", "tune", "Trial", "first_round")
+    ``details["tuned"]`` says which. Beside it, the graphs that had a point pass, fastest first, and
+    the search's summary (``details["tuned"]``: points tried and timed, why the others were not)."""
+    candidate, tune, trial_cls, first_round, why_not_timed = _require("tune", "mirage_serve.tune.search", "Candidate", "tune", "Trial",
+                                                                      "first_round", "why_not_timed")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
     (codegen_params,) = _require("codegen", "mirage_serve.codegen", "CodegenParams")
     from mirage_serve.integrations.kernels import VARIABLE_EXTENTS
@@ -314,9 +317,12 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     timed = [t for t in res.trials if math.isfinite(t.time_us)]
     measured = list({id(t.candidate.graph): t.candidate.graph for t in sorted(timed, key=lambda t: t.time_us)}.values())
     info: dict[str, Any] = {"points": len(res.trials), "passed": len(timed), "graphs": len(cands), "seconds": round(time.perf_counter() - t0, 1)}
+    not_timed = Counter(w for w in map(why_not_timed, res.trials) if w)
+    if not_timed:
+        info["not_timed"] = dict(not_timed.most_common())
     if best is None:
         log.info("tuning: no point passed (%s)", info)
-        return None, []
+        return None, [], info
     if default is None:  # the default points failed, or spilled registers and were skipped for a spill-free point
         win, info["kept"] = best, "tuned (no default-parameter point was timed: failed, or skipped for spilling registers)"
     elif best is not default and best.time_us < default.time_us * (1 - TUNE_MIN_GAIN):
@@ -328,7 +334,7 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
     info["params"] = params = codegen_params.from_dict(dict(win.params)).cache_params()  # the non-default knobs
     info["time_us"] = round(win.time_us, 3)
     log.info("tuned %d point(s) of %d graph(s) in %.0f s: %s", len(res.trials), len(cands), info["seconds"], info)
-    return ranked_cls(win.candidate.graph, params, win.time_us, True, True, {**win.result, "tuned": info}), measured
+    return ranked_cls(win.candidate.graph, params, win.time_us, True, True, {**win.result, "tuned": info}), measured, info
 
 
 def _make_entry(key: Any, ranked: Any, cert: Any, baseline: Any) -> Any:
@@ -747,14 +753,14 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
         best, measured = None, []
         if tuning:
             try:
-                tuned, measured = tune_params(ranked or rank_candidates(graphs, device="cpu", spec=spec), spec, sg.spec_name, opts)
+                tuned, measured, info = tune_params(ranked or rank_candidates(graphs, device="cpu", spec=spec), spec, sg.spec_name, opts)
             except Exception as e:  # tuning is optional: the profiled default-parameter winner still stands
                 log.warning("%s: the parameter search failed (%s: %s); keeping default parameters", item.describe(), type(e).__name__, e)
                 tuned, details["tuned"] = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if tuned is not None:
                 best, details["tuned"] = tuned, tuned.details["tuned"]
             elif "tuned" not in details:
-                details["tuned"] = {"kept": "default parameters of the ranking (no point passed in the parameter search)"}
+                details["tuned"] = {**info, "kept": "default parameters of the ranking (no point passed in the parameter search)"}
         if ranked is None:
             ranked = _profiled_order(rank_candidates, graphs, device, spec) if best is None else []
         best = best or ranked[0]

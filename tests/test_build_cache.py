@@ -588,6 +588,8 @@ def test_default_points_that_spill_do_not_void_the_search(capsys, tmp_path, monk
 
     rc, r, entry = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", spills=lambda params: 0 if params else 512)
     assert rc == 0 and r["details"]["tuned"]["kept"].startswith("tuned (no default-parameter point was timed")
+    # the report counts why points were not timed: here the two default points, skipped for spilling
+    assert r["details"]["tuned"]["not_timed"] == {"skipped: spills registers": 2}
     assert _blocks(entry.graph) == 2 and entry.params and entry.timings["time_us"] == pytest.approx(18.0)
 
 
@@ -659,6 +661,7 @@ def test_a_search_where_no_point_passes_falls_back_to_the_in_process_profile(cap
     rc, _, _ = _gpu_build(capsys, tmp_path, monkeypatch, stand_in, "c", events=events, tune_passes=False)
     (r,) = events.pop()["results"]
     assert "measure" in events and rc == 0 and r["status"] == "built" and r["profiled"] is True
+    assert r["details"]["tuned"]["not_timed"] == {"failed its float check": r["details"]["tuned"]["points"]}
     assert r["details"]["tuned"]["kept"].startswith("default parameters of the ranking")
     assert [e for e in events if e.startswith("rank")] == ["rank cpu 2", "rank cuda 2", "rank cuda 1"]
 

@@ -201,3 +201,23 @@ def test_a_point_that_does_not_return_in_time_is_killed_and_excluded():
     c = search.Candidate("c", fused_rmsnorm_linear(2, 64, 32, 2, 2))
     r = m.measure(search.Trial(c, {}, 1), None, 1)
     assert r["passed"] is False and "killed" in r["error"] and m._pool is None
+
+
+def test_why_not_timed_names_each_kind_of_untimed_point():
+    from mirage_serve.tune.search import Candidate, Trial, why_not_timed
+
+    c = Candidate("g", None)
+
+    def trial(result, compile=None):
+        return Trial(c, {}, 1, result=result, compile=compile or {})
+
+    assert why_not_timed(trial({"passed": True, "median_us": 3.0})) is None
+    assert why_not_timed(trial({"skipped": "spills 96 bytes of registers; a spill-free point passed"})) == "skipped: spills registers"
+    assert why_not_timed(trial({"skipped": "time budget"})) == "skipped: time budget"
+    assert why_not_timed(trial({"error": "CompilationError: at 3:4 ..."}, {"ok": False, "error": "CompilationError: at 3:4 ..."})) \
+        == "did not compile: CompilationError"
+    assert why_not_timed(trial({"passed": False, "error": "crashed the measuring process (BrokenProcessPool); the point is excluded"})) \
+        == "measuring: crashed the measuring process"
+    assert why_not_timed(trial({"passed": False, "error": "still running after 300 s; the measuring process was killed"})) \
+        == "measuring: still running after 300 s"
+    assert why_not_timed(trial({"passed": False, "rel_error": 0.5})) == "failed its float check"

@@ -235,6 +235,21 @@ class Precompiler:
 # ---------------------------------------------------------------- the search
 
 
+def why_not_timed(t: Trial) -> str | None:
+    """A short reason why a trial has no time (None when it has one), to count across a search."""
+    if math.isfinite(t.time_us):
+        return None
+    r = t.result
+    if "skipped" in r:
+        return "skipped: spills registers" if str(r["skipped"]).startswith("spills") else f"skipped: {r['skipped']}"
+    if not t.compile.get("ok", True):
+        return "did not compile: " + str(t.compile.get("error", "?")).split(":", 1)[0][:60]
+    err = r.get("error")
+    if err:
+        return "measuring: " + str(err).split("(", 1)[0].split(";", 1)[0].split(":", 1)[0].strip()[:60]
+    return "failed its float check" if r.get("passed") is False else "not measured"
+
+
 @dataclass
 class TuneResult:
     trials: list[Trial]
