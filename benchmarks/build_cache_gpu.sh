@@ -47,6 +47,6 @@ for r in rep.get("results", []):
     t = (r.get("details") or {}).get("tuned") or {}
     print(f"{r['subgraph']:<22} {r['bucket']:<12} {r['status']:<8} profiled={r['profiled']} speedup={r['speedup']} "
           f"kept={t.get('kept')} params={t.get('params')} default_us={t.get('default_us')} time_us={t.get('time_us')} "
-          f"points={t.get('points')} passed={t.get('passed')} {t.get('seconds')}s {t.get('error', '')}")
+          f"points={t.get('points')} passed={t.get('passed')} {t.get('seconds')}s not_timed={t.get('not_timed')} {t.get('error', '')}")
 PY
 exit $rc
