@@ -137,6 +137,16 @@ def _measure_one(graph_json: str, params: dict[str, Any], variable_dims: tuple, 
     return r
 
 
+def _shut_down(pool: ProcessPoolExecutor | None, kill: bool) -> None:
+    """Shut ``pool`` down, cancelling what it has not started (``kill``: terminate its processes
+    first, for work that may never return)."""
+    if pool is not None:
+        if kill:
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Measurer:
     """Profiles points in one separate process, so a kernel that breaks its CUDA context costs
     only that point: the process is replaced and the point recorded as crashing."""
@@ -166,12 +176,8 @@ class Measurer:
 
     def close(self, kill: bool = False) -> None:
         """Shut the measuring process down (``kill``: terminate it first, for a point that does not return)."""
-        if self._pool is not None:
-            if kill:
-                for proc in list(getattr(self._pool, "_processes", {}).values()):
-                    proc.kill()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        _shut_down(self._pool, kill)
+        self._pool = None
 
 
 class Precompiler:
@@ -224,12 +230,8 @@ class Precompiler:
 
     def close(self, kill: bool = False) -> None:
         """Shut the workers down (``kill``: terminate them first, for a compile whose test launch does not return)."""
-        if self._pool is not None:
-            if kill:
-                for proc in list(getattr(self._pool, "_processes", {}).values()):
-                    proc.kill()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        _shut_down(self._pool, kill)
+        self._pool = None
 
 
 # ---------------------------------------------------------------- the search
