@@ -413,15 +413,11 @@ class KernelCache:
                     if not p.name.endswith(".json"):
                         continue
                     try:
-                        items.append(ScanItem(p, d.location, "ok", load_entry_file(p)))
+                        entry = load_entry_file(p, allow_stale=stale_entries)
+                        stale = entry.key.stale_reason() if stale_entries else None
+                        items.append(ScanItem(p, d.location, "stale" if stale else "ok", entry, reason=stale or ""))
                     except EntryRejected as e:
-                        entry = None
-                        if e.stale and stale_entries:
-                            try:
-                                entry = load_entry_file(p, allow_stale=True)
-                            except (EntryRejected, OSError):
-                                pass
-                        items.append(ScanItem(p, d.location, "stale" if e.stale else "corrupt", entry, reason=e.reason))
+                        items.append(ScanItem(p, d.location, "stale" if e.stale else "corrupt", reason=e.reason))
                     except OSError as e:
                         items.append(ScanItem(p, d.location, "corrupt", reason=f"unreadable: {e}"))
             rej = d.root / REJECTED
