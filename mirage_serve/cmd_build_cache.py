@@ -277,8 +277,8 @@ TUNE_MIN_GAIN = 0.02
 
 def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions) -> tuple[Any | None, list[Any], dict[str, Any]]:
     """Search codegen parameters on the GPU (num_warps, num_stages, the MMA form, split launches; see
-    :mod:`mirage_serve.tune.search`) for the ``opts.tune_graphs`` fastest of ``ranked`` (μGraphs profiled at
-    default parameters) within ``opts.tune_budget_s`` from the start of the search; the first round
+    :mod:`mirage_serve.tune.search`) for the first ``opts.tune_graphs`` of ``ranked`` (μGraphs in the order
+    of their default-parameter profile or of the cost model) within ``opts.tune_budget_s`` from the start of the search; the first round
     (every graph at its default and its initial parameters) is timed in full however long it takes.
     Every point is float-checked against ``spec`` before it is timed, in a process of its own, and
     compiled in worker processes, so a point that fails or crashes costs only itself. Points are timed as the runtime compiles them (decode
@@ -286,9 +286,9 @@ def tune_params(ranked: list[Any], spec: Any, spec_name: str, opts: BuildOptions
 
     Returns a ``Ranked`` (its graph the ranked graph object itself) for the fastest point: a tuned
     one when it beats the best default-parameter point of the same run by :data:`TUNE_MIN_GAIN` (or
-    when no default point was timed), else that default point; None when no point passed.
-    ``details["tuned"]`` says which. Beside it, the graphs that had a point pass, fastest first, and
-    the search's summary (``details["tuned"]``: points tried and timed, why the others were not)."""
+    when no default point was timed), else that default point; None when no point passed. Beside
+    it, the graphs that had a point pass, fastest first, and the search's summary (points tried and
+    timed, why the others were not, and which point was kept; the Ranked's ``details["tuned"]``)."""
     candidate, tune, trial_cls, first_round, why_not_timed = _require("tune", "mirage_serve.tune.search", "Candidate", "tune", "Trial",
                                                                       "first_round", "why_not_timed")
     (ranked_cls,) = _require("tune", "mirage_serve.tune", "Ranked")
@@ -525,11 +525,10 @@ def cache_seeds(cache: Any, kind: tuple) -> list[Any]:
         log.warning("could not read the cache's entries for seeds (%s: %s)", type(e).__name__, e)
         return []
     entries = [e for e in entries if spec_kind(e.key.spec, e.key.dtype, e.key.options_dict) == kind]
-    stale = sum(e.key.stale_reason() is not None for e in entries)
+    stale = [r for r in (e.key.stale_reason() for e in entries) if r]
     if stale:
         log.info("%d %s entries of the cache were built for another Triton or codegen version (%s): they are not used "
-                 "as they are, but their μGraphs seed the search and are verified afresh", stale, kind[0],
-                 next(e.key.stale_reason() for e in entries if e.key.stale_reason()))
+                 "as they are, but their μGraphs seed the search and are verified afresh", len(stale), kind[0], stale[0])
     return distinct_structures([e.graph for e in entries])
 
 
@@ -758,7 +757,7 @@ def _build_item(item: WorkItem, cache: Any, arch: str, opts: BuildOptions, seeds
                 log.warning("%s: the parameter search failed (%s: %s); keeping default parameters", item.describe(), type(e).__name__, e)
                 tuned, details["tuned"] = None, {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             if tuned is not None:
-                best, details["tuned"] = tuned, tuned.details["tuned"]
+                best, details["tuned"] = tuned, info
             elif "tuned" not in details:
                 details["tuned"] = {**info, "kept": "default parameters of the ranking (no point passed in the parameter search)"}
         if ranked is None:
