@@ -47,10 +47,11 @@ def test_affected_entries_are_exactly_the_entries_whose_code_the_rule_changed(P,
         e = CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True)
         entries[f.stem] = e
     now = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
+    affected = {n for n, _ in P.affected_entries()}
     monkeypatch.setattr(triton_gen, "gemv_fits", lambda *a: True)
     before = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
     changed = {n for n in entries if now[n] != before[n]}
-    assert changed and changed == {n for n, _ in P.affected_entries()}
+    assert changed and changed == affected
 
 
 def test_tile_matmuls_reads_rows_columns_inner(P):
@@ -58,3 +59,30 @@ def test_tile_matmuls_reads_rows_columns_inner(P):
 
     # 4 rows; 128 outputs over 4 blocks = 32 columns; 256 hidden over 2 iterations = 128 inner
     assert P.tile_matmuls(fused_rmsnorm_linear(4, 256, 128, n_blocks=4, loop=2)) == [(4, 32, 128)]
+
+
+def test_main_times_each_entry_in_the_forms_asked_for(P, monkeypatch, tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from mirage_serve.tune import profile
+
+    seen = []
+
+    def fake_profile(graph, params, device, reps):
+        seen.append(dict(params))
+        us = {"fma": 40.0, "tf32": 12.0}.get(params.get("matmul") if params.get("matmul") == "fma" else params.get("dot_precision"), 10.0)
+        return SimpleNamespace(passed=True, rel_error=1e-3, median_us=us, error=None)
+
+    monkeypatch.setattr(profile, "profile_candidate", fake_profile)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    assert P.main(["--out", str(tmp_path), "--any-entry", "--entries", "gated_mlp-1fff28dd", "--forms", "auto,tf32,fma"]) == 0
+    rep = json.loads((tmp_path / "auto-matmul.json").read_text())
+    (row,) = rep["entries"]
+    assert row["entry"].startswith("gated_mlp-1fff28dd") and rep["forms"] == {"auto": {}, "tf32": {"dot_precision": "tf32"}, "fma": {"matmul": "fma"}}
+    assert row["tf32_over_auto"] == 1.2 and row["fma_over_auto"] == 4.0
+    assert [p.get("dot_precision", p.get("matmul", "own")) for p in seen] == ["own", "tf32", "fma"]
+    with pytest.raises(SystemExit):
+        P.main(["--out", str(tmp_path), "--forms", "auto,int8"])

@@ -89,6 +89,37 @@ def test_auto_moves_a_spilling_gemv_of_a_few_rows_onto_tl_dot():
     assert max(errs) <= TOL["bfloat16"]
 
 
+def test_auto_precision_multiplies_16_bit_inputs_natively_and_computed_operands_in_tf32():
+    g = fused_lora(16, 64, 32, 8, n_blocks=2, loop=2, dtype="bfloat16")
+    (src,) = generate_source(g)
+    # X@W^T and X@A^T read 16-bit inputs as loaded: the MMA takes them as they are (exact products,
+    # fp32 accumulation), and those loads stay 16-bit; (X@A^T)@B^T has a computed operand: tf32
+    assert src.count("tl.dot(") == 3 and src.count('input_precision="tf32"') == 1
+    assert src.count(".to(tl.float32)") == 1 and "t3 = tl.load(in3_ptr + off3, mask=mask3, other=0.0).to(tl.float32)" in src
+    _, errs = check(g, "bfloat16")
+    assert max(errs) <= TOL["bfloat16"]
+    (src32,) = generate_source(fused_lora(16, 64, 32, 8, n_blocks=2, loop=2))
+    assert src32.count('input_precision="ieee"') == 3  # fp32 graphs: exact fp32 dots
+    (tf32,) = generate_source(g, CodegenParams(dot_precision="tf32"))
+    assert tf32.count('input_precision="tf32"') == 3  # asked for tf32: every dot
+
+
+def test_auto_counts_16_bit_operand_tiles_at_2_bytes_for_shared_memory():
+    from mirage_serve.codegen.params import gemv_fits
+    from mirage_serve.tune.cost_model import estimate
+
+    # 4 rows x 128 columns x 256: GEMV would spill; tl.dot's tiles are 147 KB as tf32, 74 KB as bf16
+    assert gemv_fits(4, 128, 256, 4) and not gemv_fits(4, 128, 256, 4, operand_bytes=2)
+    g = fused_gated_mlp(4, 512, 256, n_blocks=2, loop=2, dtype="bfloat16")
+    (src,) = generate_source(g)
+    assert src.count("tl.dot(") == 2 and "input_precision" not in src and ".to(tl.float32)" not in src.split("for i in")[1].split("tl.dot")[0]
+    assert estimate(g).kernels[0].matmul_mode == "dot"  # the cost model follows
+    g32 = fused_gated_mlp(4, 512, 256, n_blocks=2, loop=2)
+    assert "tl.dot(" not in generate_source(g32)[0] and estimate(g32).kernels[0].matmul_mode == "gemv"  # fp32 tiles: too large
+    _, errs = check(g, "bfloat16")
+    assert max(errs) <= TOL["bfloat16"]
+
+
 @pytest.mark.parametrize("spec,dims", [
     ("rmsnorm_linear", {"batch": 3, "hidden": 32, "out": 16}),
     ("add_rmsnorm_linear", {"batch": 3, "hidden": 32, "out": 16}),

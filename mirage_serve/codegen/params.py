@@ -16,18 +16,20 @@ class CodegenError(ValueError):
 
 #: Elements of a GEMV-style broadcast product a thread holds in registers; above it the code spills.
 GEMV_PRODUCT_PER_THREAD = 128
-#: Bytes of one iteration's operand tiles (16-row padded, at 4 bytes: tf32) up to which ``"auto"``
-#: moves a spilling GEMV onto ``tl.dot``; larger staged tiles would not fit Hopper's shared memory.
+#: Bytes of one iteration's operand tiles (16-row padded; 4 bytes an element for tf32 operands, 2
+#: for 16-bit ones) up to which ``"auto"`` moves a spilling GEMV onto ``tl.dot``; larger staged
+#: tiles would not fit Hopper's shared memory.
 AUTO_DOT_MAX_OPERAND_BYTES = 96 * 1024
 
 
-def gemv_fits(rows: int, cols: int, inner: int, num_warps: int) -> bool:
+def gemv_fits(rows: int, cols: int, inner: int, num_warps: int, operand_bytes: int = 4) -> bool:
     """Whether ``matmul="auto"`` computes a tile matmul of fewer than ``dot_min_rows`` rows as GEMV
     math: one row always (the MMA would pad it to 16); otherwise while its broadcast product fits
-    the registers, or where the tiles ``tl.dot`` would stage are too large for shared memory."""
+    the registers, or where the tiles ``tl.dot`` would stage (``operand_bytes`` an element: 4 for
+    tf32 or fp32 operands, 2 for 16-bit ones) are too large for shared memory."""
     if rows <= 1 or rows * cols * inner <= GEMV_PRODUCT_PER_THREAD * 32 * num_warps:
         return True
-    return (max(16, rows) + max(16, cols)) * inner * 4 > AUTO_DOT_MAX_OPERAND_BYTES
+    return (max(16, rows) + max(16, cols)) * inner * operand_bytes > AUTO_DOT_MAX_OPERAND_BYTES
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,10 @@ class CodegenParams:
       staged tiles would not fit shared memory (:func:`gemv_fits`).
     * ``dot_precision``: ``"ieee"`` (exact fp32), ``"tf32"``, ``"input"`` (cast
       operands to the graph's 16-bit dtype, native tensor-core MMA), or
-      ``"auto"``: ieee for float32 graphs, tf32 for 16-bit ones (tf32 holds
-      bf16/fp16 values exactly).
+      ``"auto"``: ieee for float32 graphs; in 16-bit graphs, native 16-bit MMA
+      for a tile matmul both of whose operands are 16-bit inputs loaded as they
+      are (their products are exact in fp32, as with tf32, at half the staged
+      bytes), tf32 for the others (tf32 holds bf16/fp16 values exactly).
     * ``shrink_grid``: launch only the programs that own valid rows when the
       runtime row count is below the bucket.
     * ``dot_swap``: 1 computes a tile matmul A @ B as ``(B^T @ A^T)^T`` on the

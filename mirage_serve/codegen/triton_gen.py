@@ -253,6 +253,12 @@ class _Gen:
         self.dot_ops: set[int] = set()
         self.dot_classes: set[int] = set()
         mode = self.params.matmul
+        prec = self.params.dot_precision
+        uses = {t: [(self.n_in + j, op) for j, op in enumerate(self.block.ops) if t in op.inputs] for t in range(self.n_in)}
+        # 16-bit inputs read only by tile matmuls: exact as 16-bit MMA operands (dot_precision "auto")
+        exact16 = {t for t in range(self.n_in) if self.low is not None and uses[t]
+                   and self.arg_storage[self.block.inputs[t].source] == self.low
+                   and all(op.kind == "matmul" for _, op in uses[t])}
         for j, op in enumerate(self.block.ops):
             if op.kind != "matmul" or mode == "fma":
                 continue
@@ -265,29 +271,43 @@ class _Gen:
             batch = [c for c in ca[:-2] + cb[: len(sb) - 2] if c is not None]
             if None in (m, k, n) or batch:
                 continue
-            if mode == "auto" and sa[-2] < self.params.dot_min_rows and gemv_fits(sa[-2], sb[nb], sa[-1], self.params.num_warps):
+            low_operands = self.low is not None and (prec == "input" or (prec == "auto" and {a, b} <= exact16))
+            if mode == "auto" and sa[-2] < self.params.dot_min_rows and gemv_fits(
+                    sa[-2], sb[nb], sa[-1], self.params.num_warps, 2 if low_operands else 4):
                 continue
             self.dot_ops.add(t)
             self.dot_classes.update((m, k, n))
         # swapped dots (dot_swap), unless a dot's result reaches a max: Triton 3.6 compiled such kernels
         # (attention) with the NaN-propagating max into illegal accesses and wrong results on an H200
         self.swap_dots = set(self.dot_ops) if self.params.dot_swap and not self._dots_into_max() else set()
-        prec = self.params.dot_precision
-        self.dot_native = prec == "input" and self.low is not None  # tl.dot on the 16-bit operands themselves
-        # a tile read only as the transposed operand of dots is loaded as [K, N] directly (unless the
-        # dot is swapped, which wants B as [N, K]); a 16-bit tile read only by native dots stays 16-bit
-        self.load_transposed: set[int] = set()
+        # dots on the 16-bit operands themselves: every dot with "input" precision (operands cast to the
+        # 16-bit dtype); with "auto", the dots both of whose operands are 16-bit inputs that no GEMV or
+        # tf32 dot also reads (those inputs then stay 16-bit in registers)
+        self.native_dots: set[int] = set()
         self.raw_loads: set[int] = set()
+        if self.low is not None and prec == "input":
+            self.native_dots = set(self.dot_ops)
+            self.raw_loads = {t for t in range(self.n_in) if uses[t] and self.arg_storage[self.block.inputs[t].source] == self.low
+                              and all(u in self.dot_ops for u, _ in uses[t])}
+        elif self.low is not None and prec == "auto":
+            raw = {t for t in exact16 if all(u in self.dot_ops for u, _ in uses[t])}
+            while True:
+                native = {self.n_in + j for j, op in enumerate(self.block.ops)
+                          if self.n_in + j in self.dot_ops and set(op.inputs) <= raw}
+                kept = {t for t in raw if all(u in native for u, _ in uses[t])}
+                if kept == raw:
+                    break
+                raw = kept
+            self.native_dots, self.raw_loads = native, raw
+        # a tile read only as the transposed operand of dots is loaded as [K, N] directly (unless the
+        # dot is swapped, which wants B as [N, K])
+        self.load_transposed: set[int] = set()
         for t in range(self.n_in):
-            uses = [(self.n_in + j, op) for j, op in enumerate(self.block.ops) if t in op.inputs]
-            if uses and all(
+            if uses[t] and all(
                 u in self.dot_ops and u not in self.swap_dots and op.attr("trans_b") and op.inputs == (op.inputs[0], t) and op.inputs[0] != t
-                for u, op in uses
+                for u, op in uses[t]
             ):
                 self.load_transposed.add(t)
-            src = self.block.inputs[t].source
-            if self.dot_native and uses and self.arg_storage[src] == self.low and all(u in self.dot_ops for u, _ in uses):
-                self.raw_loads.add(t)
 
     def _plan_acc_dots(self) -> dict[int, int]:
         """``dot_acc``: the :func:`~mirage_serve.codegen.analysis.summed_matmuls` on the tensor cores that run
@@ -916,7 +936,7 @@ class _Gen:
         if prec == "auto":
             prec = "tf32" if self.low else "ieee"
         kw = ""
-        if self.dot_native:
+        if t in self.native_dots:
             low = TL_DTYPES[self.low]
             am = am if a.raw else f"({am}).to({low})"
             bm = bm if b.raw else f"({bm}).to({low})"

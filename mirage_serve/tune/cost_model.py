@@ -28,7 +28,8 @@ Decode-time kernels are memory-bound, so the model is built around bytes:
   it at 2 stages and three quarters at 4.
 * **Arithmetic.** Tile matmuls run as codegen runs them: with ``matmul="auto"``
   those with fewer than ``dot_min_rows`` (16) rows whose broadcast product fits
-  the registers (``codegen.params.gemv_fits``) are GEMV (multiply +
+  the registers, or whose ``tl.dot`` tiles would not fit shared memory
+  (``codegen.params.gemv_fits``), are GEMV (multiply +
   ``tl.sum``) on the CUDA cores and the rest use ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
   wastes 15/16 of the unit). A kernel takes ``max(memory time, arithmetic time)``.
 * **Launches.** Each kernel costs ``launch_s`` (3-5 µs without a CUDA graph;
@@ -181,6 +182,11 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
     mode = "none"
     compute_s = 0.0
     n_in = len(block.inputs)
+    low = any(ins[bi.source].dtype in ("bfloat16", "float16") for bi in block.inputs)
+    prec = _param(params, "dot_precision", "auto")
+    # codegen's exact 16-bit operands: 16-bit inputs that only tile matmuls read
+    exact16 = {j for j, bi in enumerate(block.inputs) if ins[bi.source].dtype in ("bfloat16", "float16")
+               and all(bop.kind == "matmul" for bop in block.ops if j in bop.inputs)}
     for i, bop in enumerate(block.ops):
         if bop.kind != "matmul":
             continue
@@ -194,7 +200,9 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
         if forced in ("dot", "fma", "gemv"):
             use_dot = forced == "dot"
         else:
-            use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows)) or not gemv_fits(m, n, k, int(_param(params, "num_warps", 4)))
+            low_operands = low and (prec == "input" or (prec == "auto" and set(bop.inputs) <= exact16))
+            use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows)) or not gemv_fits(
+                m, n, k, int(_param(params, "num_warps", 4)), 2 if low_operands else 4)
         if use_dot:
             mode = "dot"
             pad = (max(16, m) * max(16, n) * max(16, k)) / (m * n * k)
@@ -240,8 +248,8 @@ def estimate(graph: KernelGraph, params: Any = None, gpu: GPUModel = H200) -> Co
     """Estimate the run time of ``graph`` compiled with ``params`` on ``gpu``.
 
     ``params`` may be a ``CodegenParams``, a dict or None; the model reads
-    ``num_warps`` (default 4), ``num_stages`` (default 2), ``matmul`` ("auto" / "dot" / "fma")
-    and ``dot_min_rows``."""
+    ``num_warps`` (default 4), ``num_stages`` (default 2), ``matmul`` ("auto" / "dot" / "fma"),
+    ``dot_min_rows`` and ``dot_precision``."""
     info = graph.info
     kernels: list[KernelCost] = []
     t = 0
