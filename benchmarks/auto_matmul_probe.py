@@ -37,6 +37,11 @@ from mirage_serve.tune.space import tile_matmuls  # noqa: E402
 FORMS = {"auto": {}, "fma": {"matmul": "fma"}, "tf32": {"dot_precision": "tf32"}}
 
 
+def shipped_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> list[tuple[str, CacheEntry]]:
+    """Every shipped entry by name; built for the CPU's Triton, so read as stale and regenerated here."""
+    return [(f.stem, CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True)) for f in sorted(entries_dir.glob("*.json"))]
+
+
 def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> list[tuple[str, CacheEntry]]:
     """Shipped entries whose default-parameter code the ``auto`` rule moved off GEMV math: every tile
     matmul has fewer than ``dot_min_rows`` rows, so that ``matmul="fma"`` is exactly the code such an
@@ -46,15 +51,14 @@ def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> l
     from mirage_serve.codegen.runtime import generate_source
 
     out = []
-    for f in sorted(entries_dir.glob("*.json")):
-        e = CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True)  # built for the CPU's Triton; regenerated here
+    for name, e in shipped_entries(entries_dir):
         if e.params.get("matmul", "auto") != "auto":
             continue
         p = CodegenParams(**e.params)
         if any(m >= p.dot_min_rows for m, _, _ in tile_matmuls(e.graph)):
             continue
         if any("tl.dot(" in s for s in generate_source(e.graph, p)):
-            out.append((f.stem, e))
+            out.append((name, e))
     return out
 
 
@@ -77,13 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from mirage_serve.tune.profile import profile_candidate
 
-    if args.any_entry:
-        found = [(f.stem, CacheEntry.from_obj(json.loads(f.read_text()), allow_stale=True))
-                 for f in sorted((ROOT / "kernel_cache" / "entries").glob("*.json")) if f.stem.startswith(tuple(args.entries))]
-    else:
-        found = affected_entries()
-        if args.entries:
-            found = [(n, e) for n, e in found if n.startswith(tuple(args.entries))]
+    found = shipped_entries() if args.any_entry else affected_entries()
+    if args.entries:
+        found = [(n, e) for n, e in found if n.startswith(tuple(args.entries))]
     by_kind: dict[str, list] = {}
     for name, e in found:
         by_kind.setdefault(name.split("-")[0], []).append((name, e))

@@ -32,6 +32,13 @@ def gemv_fits(rows: int, cols: int, inner: int, num_warps: int, operand_bytes: i
     return (max(16, rows) + max(16, cols)) * inner * operand_bytes > AUTO_DOT_MAX_OPERAND_BYTES
 
 
+def dot_operand_bytes(dot_precision: str, low: bool, exact16: bool) -> int:
+    """Bytes an element of a ``tl.dot`` operand tile takes: 2 where the MMA multiplies 16-bit
+    operands (``"input"`` precision in a 16-bit graph, or ``"auto"`` on two 16-bit inputs loaded as
+    they are: ``exact16``), else 4 (tf32 or fp32)."""
+    return 2 if low and (dot_precision == "input" or (dot_precision == "auto" and exact16)) else 4
+
+
 @dataclass(frozen=True)
 class CodegenParams:
     """Knobs where a μGraph leaves freedom; its grid and forloop_range fix the tiling.

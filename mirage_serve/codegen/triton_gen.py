@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from mirage_serve.codegen.analysis import block_dims, summed_matmuls
-from mirage_serve.codegen.params import CodegenError, CodegenParams, gemv_fits
+from mirage_serve.codegen.params import CodegenError, CodegenParams, dot_operand_bytes, gemv_fits
 from mirage_serve.mugraph.graph import MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo
 
@@ -259,6 +259,7 @@ class _Gen:
         exact16 = {t for t in range(self.n_in) if self.low is not None and uses[t]
                    and self.arg_storage[self.block.inputs[t].source] == self.low
                    and all(op.kind == "matmul" for _, op in uses[t])}
+        low = self.low is not None
         for j, op in enumerate(self.block.ops):
             if op.kind != "matmul" or mode == "fma":
                 continue
@@ -271,9 +272,8 @@ class _Gen:
             batch = [c for c in ca[:-2] + cb[: len(sb) - 2] if c is not None]
             if None in (m, k, n) or batch:
                 continue
-            low_operands = self.low is not None and (prec == "input" or (prec == "auto" and {a, b} <= exact16))
             if mode == "auto" and sa[-2] < self.params.dot_min_rows and gemv_fits(
-                    sa[-2], sb[nb], sa[-1], self.params.num_warps, 2 if low_operands else 4):
+                    sa[-2], sb[nb], sa[-1], self.params.num_warps, dot_operand_bytes(prec, low, {a, b} <= exact16)):
                 continue
             self.dot_ops.add(t)
             self.dot_classes.update((m, k, n))
@@ -283,22 +283,16 @@ class _Gen:
         # dots on the 16-bit operands themselves: every dot with "input" precision (operands cast to the
         # 16-bit dtype); with "auto", the dots both of whose operands are 16-bit inputs that no GEMV or
         # tf32 dot also reads (those inputs then stay 16-bit in registers)
-        self.native_dots: set[int] = set()
-        self.raw_loads: set[int] = set()
-        if self.low is not None and prec == "input":
-            self.native_dots = set(self.dot_ops)
-            self.raw_loads = {t for t in range(self.n_in) if uses[t] and self.arg_storage[self.block.inputs[t].source] == self.low
-                              and all(u in self.dot_ops for u, _ in uses[t])}
-        elif self.low is not None and prec == "auto":
-            raw = {t for t in exact16 if all(u in self.dot_ops for u, _ in uses[t])}
-            while True:
-                native = {self.n_in + j for j, op in enumerate(self.block.ops)
-                          if self.n_in + j in self.dot_ops and set(op.inputs) <= raw}
-                kept = {t for t in raw if all(u in native for u, _ in uses[t])}
-                if kept == raw:
-                    break
-                raw = kept
-            self.native_dots, self.raw_loads = native, raw
+        raw = {t for t in exact16 if all(u in self.dot_ops for u, _ in uses[t])}  # 16-bit inputs only dots read
+        native = set(self.dot_ops) if low and prec == "input" else set()
+        while low and prec == "auto":
+            native = {self.n_in + j for j, op in enumerate(self.block.ops) if self.n_in + j in self.dot_ops and set(op.inputs) <= raw}
+            kept = {t for t in raw if all(u in native for u, _ in uses[t])}
+            if kept == raw:
+                break
+            raw = kept
+        self.native_dots: set[int] = native
+        self.raw_loads: set[int] = raw if native else set()
         # a tile read only as the transposed operand of dots is loaded as [K, N] directly (unless the
         # dot is swapped, which wants B as [N, K])
         self.load_transposed: set[int] = set()

@@ -47,7 +47,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mirage_serve.codegen.params import gemv_fits
+from mirage_serve.codegen.params import dot_operand_bytes, gemv_fits
 from mirage_serve.mugraph.graph import KernelGraph, Op
 from mirage_serve.mugraph.shapes import TensorInfo, block_tile_infos
 
@@ -200,9 +200,8 @@ def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu:
         if forced in ("dot", "fma", "gemv"):
             use_dot = forced == "dot"
         else:
-            low_operands = low and (prec == "input" or (prec == "auto" and set(bop.inputs) <= exact16))
             use_dot = m >= int(_param(params, "dot_min_rows", gpu.dot_min_rows)) or not gemv_fits(
-                m, n, k, int(_param(params, "num_warps", 4)), 2 if low_operands else 4)
+                m, n, k, int(_param(params, "num_warps", 4)), dot_operand_bytes(prec, low, set(bop.inputs) <= exact16))
         if use_dot:
             mode = "dot"
             pad = (max(16, m) * max(16, n) * max(16, k)) / (m * n * k)
