@@ -4,9 +4,10 @@ product would spill.
 Entries built without a GPU (``kernel_cache/entries``) carry no tuned parameters and compile with
 ``CodegenParams()`` defaults, whose ``matmul="auto"`` takes tile matmuls of 2-15 rows with
 ``tl.dot`` wherever the GEMV form's broadcast product would not fit the registers (and the dot's
-tiles fit shared memory; ``codegen.params.gemv_fits``). This times, for every shipped entry where
-that rule changes the code, the entry as it is now (``auto``) beside the GEMV form it had before
-(``matmul="fma"``), both float-checked against the float64 reference, under CUDA graphs.
+tiles fit shared memory; ``codegen.params.gemv_fits``), and splits the loop's iterations where
+GEMV math would still spill (``codegen.triton_gen.loop_split``). This times, for every shipped entry
+where those rules change the code, the entry as it is now (``auto``) beside the GEMV form it had
+before (``matmul="fma"``), both float-checked against the float64 reference, under CUDA graphs.
 
 ``--forms auto,tf32 --any-entry --entries PREFIX ...`` times chosen entries as they are beside their
 code with tf32 operands on every ``tl.dot``, as 16-bit graphs compiled before ``dot_precision="auto"``
@@ -43,10 +44,11 @@ def shipped_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> li
 
 
 def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> list[tuple[str, CacheEntry]]:
-    """Shipped entries whose default-parameter code the ``auto`` rule moved off GEMV math: every tile
-    matmul has fewer than ``dot_min_rows`` rows, so that ``matmul="fma"`` is exactly the code such an
-    entry compiled to before, and the ``auto`` code uses ``tl.dot`` (a GEMV product that would not fit
-    the registers, with dot tiles that fit shared memory: ``gemv_fits``)."""
+    """Shipped entries whose default-parameter code the ``auto`` rules moved off plain GEMV math: every
+    tile matmul has fewer than ``dot_min_rows`` rows, so that ``matmul="fma"`` is exactly the code such
+    an entry compiled to before, and the ``auto`` code differs from it: it uses ``tl.dot`` (a GEMV
+    product that would not fit the registers, with dot tiles that fit shared memory: ``gemv_fits``),
+    or splits the loop's iterations so that GEMV math fits the registers (``triton_gen.loop_split``)."""
     from mirage_serve.codegen.params import CodegenParams
     from mirage_serve.codegen.runtime import generate_source
 
@@ -57,7 +59,7 @@ def affected_entries(entries_dir: Path = ROOT / "kernel_cache" / "entries") -> l
         p = CodegenParams(**e.params)
         if any(m >= p.dot_min_rows for m, _, _ in tile_matmuls(e.graph)):
             continue
-        if any("tl.dot(" in s for s in generate_source(e.graph, p)):
+        if generate_source(e.graph, p) != generate_source(e.graph, CodegenParams(**{**e.params, "matmul": "fma"})):
             out.append((name, e))
     return out
 

@@ -1,5 +1,6 @@
 """benchmarks/auto_matmul_probe.py picks exactly the shipped entries whose code the ``matmul="auto"``
-rule moved from GEMV math to ``tl.dot``, so that its ``fma`` form is the code they had before."""
+rules moved off plain GEMV math (to ``tl.dot``, or to a split loop), so that its ``fma`` form is the
+code they had before."""
 
 from __future__ import annotations
 
@@ -31,7 +32,15 @@ def test_affected_entries_are_those_the_rule_moved_to_dot(P):
         assert all(m < p.dot_min_rows for m, _, _ in mms), name
         auto = "\n".join(generate_source(e.graph, p))
         fma = "\n".join(generate_source(e.graph, CodegenParams(**{**e.params, "matmul": "fma"})))
-        assert "tl.dot" in auto and "tl.dot" not in fma, name
+        assert "tl.dot" not in fma and auto != fma, name
+        # tl.dot, or GEMV math in a loop of more iterations
+        assert "tl.dot" in auto or _loops(auto) != _loops(fma), name
+
+
+def _loops(src: str) -> list[int]:
+    import re
+
+    return [int(n) for n in re.findall(r"for i in range\((\d+)\)", src)]
 
 
 def test_affected_entries_are_exactly_the_entries_whose_code_the_rule_changed(P, monkeypatch):
@@ -49,6 +58,7 @@ def test_affected_entries_are_exactly_the_entries_whose_code_the_rule_changed(P,
     now = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
     affected = {n for n, _ in P.affected_entries()}
     monkeypatch.setattr(triton_gen, "gemv_fits", lambda *a: True)
+    monkeypatch.setattr(triton_gen, "MAX_AUTO_SPLIT", 1)
     before = {n: generate_source(e.graph, CodegenParams(**e.params)) for n, e in entries.items()}
     changed = {n for n in entries if now[n] != before[n]}
     assert changed and changed == affected

@@ -51,7 +51,13 @@ class CodegenParams:
       two rows up when the GEMV form's broadcast product (rows x columns x
       inner) would not fit the threads' registers, so that code would spill
       (more than :data:`GEMV_PRODUCT_PER_THREAD` a thread), unless the dot's
-      staged tiles would not fit shared memory (:func:`gemv_fits`).
+      staged tiles would not fit shared memory (:func:`gemv_fits`). Where a
+      tile matmul then stays GEMV math that would spill (one row, or tiles too
+      large for ``tl.dot``), ``"auto"`` also splits each for-loop iteration into
+      more steps, as ``k_chunks`` does, until none does or the loop body does
+      not allow a finer split
+      (:func:`mirage_serve.codegen.triton_gen.loop_split`): smaller tiles
+      that fit the registers or go to ``tl.dot``, the same arithmetic.
     * ``dot_precision``: ``"ieee"`` (exact fp32), ``"tf32"``, ``"input"`` (cast
       operands to the graph's 16-bit dtype, native tensor-core MMA), or
       ``"auto"``: ieee for float32 graphs; in 16-bit graphs, native 16-bit MMA
@@ -66,7 +72,8 @@ class CodegenParams:
     * ``k_chunks``: split every for-loop iteration into this many steps along
       the loop dims (an inner chunk of ``tile / k_chunks`` per step). It runs the
       same arithmetic in smaller register tiles; allowed only where the loop body
-      decomposes (see :func:`mirage_serve.codegen.triton_gen.refine_loop`).
+      decomposes (see :func:`mirage_serve.codegen.triton_gen.check_loop_refinable`).
+      ``matmul="auto"`` may split further (above).
     * ``pdl``: 1 launches every kernel with programmatic dependent launch
       (Hopper and newer): a kernel's launch overlaps the tail of the one before
       it and waits (``griddepcontrol.wait``) before touching memory. 2 does so for every kernel

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from mirage_serve.codegen.analysis import block_dims, summed_matmuls
-from mirage_serve.codegen.params import CodegenError, CodegenParams, dot_operand_bytes, gemv_fits
+from mirage_serve.codegen.params import GEMV_PRODUCT_PER_THREAD, CodegenError, CodegenParams, dot_operand_bytes, gemv_fits
 from mirage_serve.mugraph.graph import MuGraphError, Op
 from mirage_serve.mugraph.shapes import TensorInfo
 
@@ -180,6 +180,7 @@ class _Gen:
         self.arg_infos, self.arg_storage, self.arg_rows = arg_infos, arg_storage, arg_rows
         self.out_infos, self.out_storage, self.out_rows = out_infos, out_storage, out_rows
         self.params, self.where = params, where
+        self.loop_split = 1  # iterations of the block graph's loop each one is split into (k_chunks, or matmul='auto')
         self.bd = block_dims(self.block, arg_infos)
         self.tiles = self.bd.tiles
         self.n_in = len(self.block.inputs)
@@ -248,6 +249,22 @@ class _Gen:
 
     def classes(self, t: int, dims: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.bd.cls[t][d] for d in dims)
+
+    def spilling_gemvs(self) -> list[tuple[int, int, int]]:
+        """(rows, columns, inner) of the tile matmuls this kernel computes as GEMV math whose broadcast
+        product holds more than :data:`GEMV_PRODUCT_PER_THREAD` elements a thread: code that spills
+        registers (rows count every dim of the first operand but the contracted one)."""
+        limit = GEMV_PRODUCT_PER_THREAD * 32 * self.params.num_warps
+        out = []
+        for j, op in enumerate(self.block.ops):
+            if op.kind != "matmul" or self.n_in + j in self.dot_ops:
+                continue
+            sa, sb = self.tiles[op.inputs[0]].shape, self.tiles[op.inputs[1]].shape
+            m, k = math.prod(sa[:-1]), sa[-1]
+            n = sb[-2] if op.attr("trans_b") else sb[-1]
+            if m * n * k > limit:
+                out.append((m, n, k))
+        return out
 
     def _plan_dots(self) -> None:
         self.dot_ops: set[int] = set()
@@ -1082,17 +1099,58 @@ def _build_gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storag
                early_inputs=frozenset(), plain_launch=False) -> _Gen:
     if op.block is None:
         raise CodegenError(f"{where}: customized operator without a block graph")
-    gen = _Gen(name, op, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs,
-               plain_launch)
+    def make(factor: int) -> _Gen:
+        block = op.block if factor == 1 else dataclasses.replace(op.block, forloop_range=op.block.forloop_range * factor)
+        g = _Gen(name, op if factor == 1 else dataclasses.replace(op, block=block), arg_infos, arg_storage, arg_rows, out_infos,
+                 out_storage, out_rows, params, where, arg_ext, out_ext, early_inputs, plain_launch)
+        g.loop_split = factor
+        return g
+
+    gen = make(1)
+    base = gen.bd
     f = params.k_chunks
-    if f > 1 and any(bi.forloop_dim != -1 for bi in op.block.inputs):
-        check_loop_refinable(op.block, gen.bd, f, where)
-        refined = dataclasses.replace(op, block=dataclasses.replace(op.block, forloop_range=op.block.forloop_range * f))
+    looped = any(bi.forloop_dim != -1 for bi in op.block.inputs)
+    if f > 1 and looped:
+        check_loop_refinable(op.block, base, f, where)
         try:
-            gen = _Gen(name, refined, arg_infos, arg_storage, arg_rows, out_infos, out_storage, out_rows, params, where, arg_ext, out_ext,
-                       early_inputs, plain_launch)
+            gen = make(f)
         except MuGraphError as e:
             raise CodegenError(f"{where}: k_chunks={f} does not divide the loop tiles: {e}") from e
+    if params.matmul == "auto" and looped:
+        gen = _split_spilling_loop(gen, make, base, op, where)
+    return gen
+
+
+#: The most ``matmul="auto"`` splits a loop iteration to keep GEMV math in registers.
+MAX_AUTO_SPLIT = 64
+
+
+def loop_split(op: Op, arg_infos: list[TensorInfo], out_infos: list[TensorInfo], params: CodegenParams) -> int:
+    """Steps each iteration of customized operator ``op``'s loop runs in when generated with
+    ``params`` (tensors stored in their own dtypes): ``k_chunks``, times what ``matmul="auto"`` adds
+    to keep GEMV math in registers; 1 where no kernel can be generated for it."""
+    try:
+        return _build_gen("k", op, arg_infos, [i.dtype for i in arg_infos], [None] * len(arg_infos), out_infos,
+                          [o.dtype for o in out_infos], [None] * len(out_infos), params, "loop_split").loop_split
+    except (CodegenError, MuGraphError):
+        return 1
+
+
+def _split_spilling_loop(gen: _Gen, make, base, op: Op, where: str) -> _Gen:
+    """``matmul="auto"``: while some tile matmul stays GEMV math that would spill registers (its
+    ``tl.dot`` tiles do not fit shared memory, or it has one row), split every loop iteration in two
+    more steps, as ``k_chunks`` does, where the loop body allows it: the same arithmetic in smaller
+    tiles, which then fit the registers or move to ``tl.dot``. Stops at the first split without such
+    a matmul, at a split the loop does not allow (keeping the last one it did) or at
+    :data:`MAX_AUTO_SPLIT` times the requested ``k_chunks``."""
+    limit = gen.loop_split * MAX_AUTO_SPLIT
+    while gen.spilling_gemvs() and gen.loop_split < limit:
+        factor = gen.loop_split * 2
+        try:
+            check_loop_refinable(op.block, base, factor, where)
+            gen = make(factor)
+        except (CodegenError, MuGraphError):
+            break
     return gen
 
 

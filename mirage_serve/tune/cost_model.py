@@ -32,6 +32,9 @@ Decode-time kernels are memory-bound, so the model is built around bytes:
   (``codegen.params.gemv_fits``), are GEMV (multiply +
   ``tl.sum``) on the CUDA cores and the rest use ``tl.dot`` on tensor cores, padded to 16 in every dim (a 1-row ``tl.dot``
   wastes 15/16 of the unit). A kernel takes ``max(memory time, arithmetic time)``.
+  Its loop runs in the steps codegen splits it into (``k_chunks``, and
+  ``matmul="auto"``'s split of GEMV math that would spill), so an
+  iteration's tiles and the choice of GEMV or ``tl.dot`` are those of a step.
 * **Launches.** Each kernel costs ``launch_s`` (3-5 µs without a CUDA graph;
   the default, 3 µs, is what a captured decode step pays per kernel boundary,
   the gap plus the tail of a partly idle grid).
@@ -44,10 +47,11 @@ decides whenever one is available.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mirage_serve.codegen.params import dot_operand_bytes, gemv_fits
+from mirage_serve.codegen.params import CodegenError, CodegenParams, dot_operand_bytes, gemv_fits
+from mirage_serve.codegen.triton_gen import loop_split
 from mirage_serve.mugraph.graph import KernelGraph, Op
 from mirage_serve.mugraph.shapes import TensorInfo, block_tile_infos
 
@@ -128,6 +132,23 @@ def _param(params: Any, name: str, default: Any) -> Any:
     return getattr(params, name, default)
 
 
+def _codegen_params(params: Any) -> CodegenParams:
+    """``params`` (a ``CodegenParams``, a dict of its fields or None) as ``CodegenParams``; fields it
+    does not know are left out, ``matmul="gemv"`` is ``"fma"``, and values codegen refuses give the
+    defaults."""
+    if isinstance(params, CodegenParams):
+        return params
+    if not isinstance(params, dict):
+        return CodegenParams()
+    d = {k: v for k, v in params.items() if k in CodegenParams.__dataclass_fields__}
+    if d.get("matmul") == "gemv":
+        d["matmul"] = "fma"
+    try:
+        return CodegenParams(**d)
+    except (CodegenError, TypeError):
+        return CodegenParams()
+
+
 def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...], trans_b: bool) -> tuple[int, int, int, int]:
     """(flops, rows m, cols n, inner k) of a (batched) matmul of shapes a and b."""
     m, k = a[-2], a[-1]
@@ -156,6 +177,9 @@ def _bandwidth_fraction(gpu: GPUModel, blocks: int, warps: int, hbm_bytes_in_fli
 def _customized_cost(op: Op, ins: list[TensorInfo], outs: list[TensorInfo], gpu: GPUModel, params: Any) -> KernelCost:
     block = op.block
     assert block is not None
+    split = loop_split(op, ins, outs, _codegen_params(params))
+    if split > 1:  # each iteration runs in smaller steps (k_chunks, or matmul="auto" keeping GEMV math in registers)
+        block = replace(block, forloop_range=block.forloop_range * split)
     tiles = block_tile_infos(block, ins)
     nb, rng = block.num_blocks, block.forloop_range
     loaded = 0
@@ -248,7 +272,7 @@ def estimate(graph: KernelGraph, params: Any = None, gpu: GPUModel = H200) -> Co
 
     ``params`` may be a ``CodegenParams``, a dict or None; the model reads
     ``num_warps`` (default 4), ``num_stages`` (default 2), ``matmul`` ("auto" / "dot" / "fma"),
-    ``dot_min_rows`` and ``dot_precision``."""
+    ``dot_min_rows``, ``dot_precision`` and ``k_chunks``."""
     info = graph.info
     kernels: list[KernelCost] = []
     t = 0
