@@ -1138,9 +1138,9 @@ def loop_split(op: Op, arg_infos: list[TensorInfo], out_infos: list[TensorInfo],
 
 def _split_spilling_loop(gen: _Gen, make, base, op: Op, where: str) -> _Gen:
     """``matmul="auto"``: while some tile matmul stays GEMV math that would spill registers (its
-    ``tl.dot`` tiles do not fit shared memory, or it has one row), split every loop iteration in two
-    more steps, as ``k_chunks`` does, where the loop body allows it: the same arithmetic in smaller
-    tiles, which then fit the registers or move to ``tl.dot``. Stops at the first split without such
+    ``tl.dot`` tiles do not fit shared memory, or it has one row), double the steps each loop
+    iteration runs in, as ``k_chunks`` does, where the loop body allows it: the same arithmetic in
+    smaller tiles, which then fit the registers or move to ``tl.dot``. Stops at the first split without such
     a matmul, at a split the loop does not allow (keeping the last one it did) or at
     :data:`MAX_AUTO_SPLIT` times the requested ``k_chunks``."""
     limit = gen.loop_split * MAX_AUTO_SPLIT
