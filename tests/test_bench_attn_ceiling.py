@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from bench_scripts import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
 def C():
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("attn_ceiling", BENCH / "attn_ceiling.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
+        yield load_bench("attn_ceiling")
     finally:
         sys.path.remove(str(BENCH))
 

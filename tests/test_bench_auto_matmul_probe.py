@@ -4,23 +4,17 @@ code they had before."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import BENCH, load_bench
+from test_codegen_loop_split import loops
 
 from mirage_serve.codegen.params import CodegenParams
 from mirage_serve.codegen.runtime import generate_source
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def P():
-    spec = importlib.util.spec_from_file_location("auto_matmul_probe", BENCH / "auto_matmul_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("auto_matmul_probe")
 
 
 def test_affected_entries_are_those_the_rule_moved_to_dot(P):
@@ -34,13 +28,7 @@ def test_affected_entries_are_those_the_rule_moved_to_dot(P):
         fma = "\n".join(generate_source(e.graph, CodegenParams(**{**e.params, "matmul": "fma"})))
         assert "tl.dot" not in fma and auto != fma, name
         # tl.dot, or GEMV math in a loop of more iterations
-        assert "tl.dot" in auto or _loops(auto) != _loops(fma), name
-
-
-def _loops(src: str) -> list[int]:
-    import re
-
-    return [int(n) for n in re.findall(r"for i in range\((\d+)\)", src)]
+        assert "tl.dot" in auto or loops(auto) != loops(fma), name
 
 
 def test_affected_entries_are_exactly_the_entries_whose_code_the_rule_changed(P, monkeypatch):

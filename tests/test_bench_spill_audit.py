@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import load_bench
 from handwritten import fused_rmsnorm_linear
 
 from mirage_serve.codegen import CodegenParams, triton_gen
 from mirage_serve.codegen.runtime import _plan, compile_for_target
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def A():
-    spec = importlib.util.spec_from_file_location("spill_audit", BENCH / "spill_audit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("spill_audit")
 
 
 def test_parse_ptxas_report(A):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from bench_scripts import load_bench
 from handwritten import fused_lora, fused_rmsnorm_linear, split_kv_attention
 
 from mirage_serve.specs import build_spec
@@ -76,13 +77,7 @@ def test_model_picks_stay_near_the_measured_best_schedules():
     # schedule the model ranks first, against the fastest measured (now 1.19x / 1.17x geomean, at
     # worst 2.33x / 1.84x); the old per-thread in-flight bound picked schedules up to 4x slower
     # (geomean 1.36x on the H200, 1.29x on the H100)
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "cost_model_check.py"
-    spec = importlib.util.spec_from_file_location("mirage_bench_cost_model_check", path)
-    cost_model_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost_model_check)
+    cost_model_check = load_bench("cost_model_check", "mirage_bench_cost_model_check")
     for table in cost_model_check.DEFAULT_TABLES:
         r = cost_model_check.check_table(cost_model_check.RESULTS / table)
         assert len(r["cases"]) == 21, table

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e.py"
-    spec = importlib.util.spec_from_file_location("mirage_bench_e2e", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("e2e", "mirage_bench_e2e")
 
 
 def _logits(tokens: torch.Tensor, vocab: int = 10, margin: float = 1.0) -> torch.Tensor:
